@@ -1,0 +1,34 @@
+# Set-up and entry points.  Every target builds .venv first, from the pinned
+# constraints, so a fresh clone needs only Python 3.11 and pip.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP_QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
+.PHONY: install demo test test-slow lint bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,hf,vision,plots]" $(PIP_QUIET)
+	$(PY) -c "import torch, torchvision, timm, geoopt; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m quotient_manifolds demo
+
+test: install
+	$(PY) -m ruff check quotient_manifolds tests benchmarks examples
+	$(PY) -m pytest -n 2 -q
+
+test-slow: install
+	$(PY) -m pytest -n 2 -q -m slow
+
+bench: install
+	$(PY) benchmarks/manifold_ops.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

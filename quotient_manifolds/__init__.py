@@ -1,0 +1,41 @@
+"""Quotient manifolds for transformer symmetries, on Geoopt.
+
+Implements the geometry of *Hide & Seek: Transformer Symmetries Obscure
+Sharpness & Riemannian Geometry Finds It* (da Silva, Dangel, Oore, ICML 2025).
+"""
+
+import warnings
+
+with warnings.catch_warnings():
+    # geoopt 0.5.1 decorates kernels with torch.jit.script, deprecated in torch 2.13+.
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated")
+    import geoopt  # noqa: F401
+
+from . import errors, geometry, manifolds
+from .errors import (
+    GeodesicDomainError,
+    NonFiniteError,
+    QuotientManifoldError,
+    RankDeficientError,
+    ShapeError,
+    ZeroWeightError,
+)
+from .manifolds import AdaptiveEuclidean, DiagonalQuotient, GLQuotient, QuotientManifold
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdaptiveEuclidean",
+    "DiagonalQuotient",
+    "GLQuotient",
+    "QuotientManifold",
+    "GeodesicDomainError",
+    "NonFiniteError",
+    "QuotientManifoldError",
+    "RankDeficientError",
+    "ShapeError",
+    "ZeroWeightError",
+    "errors",
+    "geometry",
+    "manifolds",
+]

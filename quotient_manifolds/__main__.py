@@ -1,0 +1,5 @@
+"""``python -m quotient_manifolds``: the command line."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,309 @@
+r"""Pure tensor kernels for the GL(h) quotient of factor pairs ``(G, H)``.
+
+A block is a pair ``G ∈ R^{n×h}``, ``H ∈ R^{m×h}`` that a network uses only
+through ``G Hᵀ``.  The group GL(h) acts by ``(G A⁻¹, H Aᵀ)``.  Every function
+here takes the two factors (and tangent components) separately, batches over
+all leading dimensions and never loops over blocks.  The thin manifold class
+in :mod:`quotient_manifolds.manifolds.gl_quotient` packs and unpacks them.
+
+Notation (spec §1.3): ``P = GᵀG + εI`` and ``Q = HᵀH + εI`` are the (relaxed)
+Gram matrices.  All ``h×h`` algebra runs in float32 or float64, never in half
+precision.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..errors import NonFiniteError, RankDeficientError
+from .linalg import compute_dtype, eye_like, sym, transpose
+
+__all__ = [
+    "METRICS",
+    "Grams",
+    "SylvesterBasis",
+    "grams",
+    "sylvester_basis",
+    "inner",
+    "horizontal_residual",
+    "horizontal_lambda",
+    "vertical",
+    "project",
+    "egrad2rgrad",
+    "christoffel",
+    "check_finite",
+]
+
+METRICS = ("inv", "mix")
+
+
+class Grams(NamedTuple):
+    """Gram matrices of a block and their inverses, in the compute dtype."""
+
+    P: torch.Tensor
+    Q: torch.Tensor
+    P_inv: torch.Tensor
+    Q_inv: torch.Tensor
+    L_P: torch.Tensor  # Cholesky factor of P (lower)
+
+
+class SylvesterBasis(NamedTuple):
+    r"""Eigenbasis of ``A = PQ``: ``A = S diag(d) S⁻¹`` (spec §5.3.5)."""
+
+    S: torch.Tensor
+    S_inv: torch.Tensor
+    d: torch.Tensor
+
+
+def check_finite(*tensors: torch.Tensor, what: str = "input") -> None:
+    """Raise :class:`NonFiniteError` if any tensor holds NaN or Inf."""
+    for t in tensors:
+        if t is not None and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(
+                f"{what} contains NaN or Inf; check the point and tangent vectors "
+                "(e.g. a diverged optimizer step) before calling the manifold."
+            )
+
+
+def _cholesky_checked(M: torch.Tensor, factor: str, eps: float) -> torch.Tensor:
+    L, info = torch.linalg.cholesky_ex(M)
+    h = M.shape[-1]
+    pivots = torch.diagonal(L, dim1=-2, dim2=-1) ** 2
+    scale = torch.diagonal(M, dim1=-2, dim2=-1).amax(-1, keepdim=True).clamp_min(
+        torch.finfo(M.dtype).tiny
+    )
+    tol = 10 * h * torch.finfo(M.dtype).eps
+    bad = (info > 0).any() | (pivots <= tol * scale).any() | ~torch.isfinite(L).all()
+    if bool(bad):
+        hint = (
+            "pass eps > 0 to use the relaxation GᵀG + eps·I (spec §5.3.1)"
+            if eps == 0
+            else f"eps = {eps:g} is too small for this block; increase it"
+        )
+        raise RankDeficientError(
+            f"factor {factor} of a GL(h) block is rank deficient (h = {h}); "
+            f"the quotient geometry needs full column rank: {hint}."
+        )
+    return L
+
+
+def grams(G: torch.Tensor, H: torch.Tensor, eps: float = 0.0) -> Grams:
+    r"""Gram matrices ``P = GᵀG + εI``, ``Q = HᵀH + εI`` and their inverses.
+
+    Raises :class:`RankDeficientError` when a factor has no full column rank
+    (Assumption 5.1) and the relaxation does not fix it.
+    """
+    dtype = compute_dtype(G.dtype)
+    G = G.to(dtype)
+    H = H.to(dtype)
+    I = eye_like(G)
+    P = transpose(G) @ G + eps * I
+    Q = transpose(H) @ H + eps * I
+    L_P = _cholesky_checked(P, "G", eps)
+    L_Q = _cholesky_checked(Q, "H", eps)
+    return Grams(P, Q, torch.cholesky_inverse(L_P), torch.cholesky_inverse(L_Q), L_P)
+
+
+def sylvester_basis(gr: Grams) -> SylvesterBasis:
+    r"""Diagonalise ``A = PQ`` through the SPD matrix ``L_Pᵀ Q L_P``.
+
+    With ``P = L Lᵀ`` (Cholesky) and ``Lᵀ Q L = U D Uᵀ``, ``A = S D S⁻¹`` with
+    ``S = L U`` and ``S⁻¹ = Uᵀ L⁻¹``.  This is the eigendecomposition solver of
+    spec §5.3.5 with the Cholesky factor in place of ``P^{1/2}`` (one ``eigh``
+    instead of two; both are similarity transforms to the same ``D``).
+    """
+    L = gr.L_P
+    d, U = torch.linalg.eigh(sym(transpose(L) @ gr.Q @ L))
+    L_inv = torch.linalg.solve_triangular(L, eye_like(L), upper=False)
+    return SylvesterBasis(L @ U, transpose(U) @ L_inv, d)
+
+
+def _tr_inner(a: torch.Tensor, M: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``Tr(M aᵀ b) = <a M, b>_F`` for symmetric ``M``, reduced over the last two dims."""
+    return ((a @ M) * b).sum((-2, -1))
+
+
+def inner(
+    G: torch.Tensor,
+    H: torch.Tensor,
+    uG: torch.Tensor,
+    uH: torch.Tensor,
+    vG: torch.Tensor,
+    vH: torch.Tensor,
+    gr: Grams,
+    metric: str,
+) -> torch.Tensor:
+    r"""The metric (spec §5.3.3, Eq. 9/10).
+
+    .. math::
+
+        ⟨η, ζ⟩^{inv} = Tr(P⁻¹ η_Gᵀ ζ_G + Q⁻¹ η_Hᵀ ζ_H), \qquad
+        ⟨η, ζ⟩^{mix} = Tr(Q η_Gᵀ ζ_G + P η_Hᵀ ζ_H).
+    """
+    dt = gr.P.dtype
+    uG, uH, vG, vH = (t.to(dt) for t in (uG, uH, vG, vH))
+    if metric == "inv":
+        return _tr_inner(uG, gr.P_inv, vG) + _tr_inner(uH, gr.Q_inv, vH)
+    return _tr_inner(uG, gr.Q, vG) + _tr_inner(uH, gr.P, vH)
+
+
+def horizontal_residual(
+    G: torch.Tensor,
+    H: torch.Tensor,
+    uG: torch.Tensor,
+    uH: torch.Tensor,
+    gr: Grams,
+    metric: str,
+) -> torch.Tensor:
+    r"""The ``h×h`` matrix that vanishes exactly on horizontal vectors (spec §5.3.4).
+
+    inv: ``P Hᵀ ξ_H − ξ_Gᵀ G Q``;  mix: ``Gᵀ ξ_G Q − P ξ_Hᵀ H``.
+    """
+    dt = gr.P.dtype
+    G, H, uG, uH = (t.to(dt) for t in (G, H, uG, uH))
+    if metric == "inv":
+        return gr.P @ (transpose(H) @ uH) - (transpose(uG) @ G) @ gr.Q
+    return (transpose(G) @ uG) @ gr.Q - gr.P @ (transpose(uH) @ H)
+
+
+def horizontal_lambda(
+    G: torch.Tensor,
+    H: torch.Tensor,
+    uG: torch.Tensor,
+    uH: torch.Tensor,
+    gr: Grams,
+    metric: str,
+    basis: SylvesterBasis | None = None,
+) -> torch.Tensor:
+    r"""``Λ`` such that ``(ξ_G + GΛ, ξ_H − HΛᵀ)`` is horizontal (spec §5.3.5).
+
+    mix (closed form): ``Λ = ½(ξ_Hᵀ H Q⁻¹ − P⁻¹ Gᵀ ξ_G)``.
+
+    inv (corrected Sylvester equation): ``AΩ + ΩA = B`` with ``A = PQ``,
+    ``B = P Hᵀ ξ_H − ξ_Gᵀ G Q`` and ``Λ = Ωᵀ``; solved in the eigenbasis of
+    ``A`` as ``Ω̃_ij = B̃_ij / (d_i + d_j)``.
+    """
+    dt = gr.P.dtype
+    G, H, uG, uH = (t.to(dt) for t in (G, H, uG, uH))
+    if metric == "mix":
+        return 0.5 * ((transpose(uH) @ H) @ gr.Q_inv - gr.P_inv @ (transpose(G) @ uG))
+    if basis is None:
+        basis = sylvester_basis(gr)
+    B = horizontal_residual(G, H, uG, uH, gr, "inv")
+    B_t = basis.S_inv @ B @ basis.S
+    omega_t = B_t / (basis.d.unsqueeze(-1) + basis.d.unsqueeze(-2))
+    return transpose(basis.S @ omega_t @ basis.S_inv)
+
+
+def vertical(
+    G: torch.Tensor, H: torch.Tensor, lam: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The vertical vector ``(GΛ, −HΛᵀ)`` (spec §5.3.2)."""
+    lam = lam.to(G.dtype)
+    return G @ lam, -(H @ transpose(lam))
+
+
+def project(
+    G: torch.Tensor,
+    H: torch.Tensor,
+    uG: torch.Tensor,
+    uH: torch.Tensor,
+    gr: Grams,
+    metric: str,
+    basis: SylvesterBasis | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Metric-orthogonal projection onto the horizontal space (spec §5.3.5).
+
+    ``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` with ``Λ`` from :func:`horizontal_lambda`.
+    Returned in the dtype of ``uG``.
+    """
+    dt = gr.P.dtype
+    lam = horizontal_lambda(G, H, uG, uH, gr, metric, basis)
+    vG, vH = vertical(G.to(dt), H.to(dt), lam)
+    return (uG.to(dt) + vG).to(uG.dtype), (uH.to(dt) + vH).to(uH.dtype)
+
+
+def egrad2rgrad(
+    gG: torch.Tensor, gH: torch.Tensor, gr: Grams, metric: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Riemannian gradient in the total space, before the horizontal projection.
+
+    inv: ``(∇_G P, ∇_H Q)``; mix: ``(∇_G Q⁻¹, ∇_H P⁻¹)`` (spec §5.3.6).
+    For a GL-invariant loss the result is already horizontal.
+    """
+    dt = gr.P.dtype
+    gG, gH = gG.to(dt), gH.to(dt)
+    if metric == "inv":
+        return gG @ gr.P, gH @ gr.Q
+    return gG @ gr.Q_inv, gH @ gr.P_inv
+
+
+def _christoffel_inv_factor(
+    F: torch.Tensor, M_inv: torch.Tensor, u: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
+    # Γ(ξ,η)_F = −½[ξ M⁻¹(ηᵀF + Fᵀη) + η M⁻¹(ξᵀF + Fᵀξ)] + ½ F M⁻¹(ξᵀη + ηᵀξ)
+    Ft = transpose(F)
+    a = u @ (M_inv @ (transpose(v) @ F + Ft @ v))
+    b = v @ (M_inv @ (transpose(u) @ F + Ft @ u))
+    c = F @ (M_inv @ (transpose(u) @ v + transpose(v) @ u))
+    return 0.5 * (c - a - b)
+
+
+def _christoffel_mix_factor(
+    F: torch.Tensor,
+    K: torch.Tensor,
+    K_inv: torch.Tensor,
+    uF: torch.Tensor,
+    vF: torch.Tensor,
+    uK: torch.Tensor,
+    vK: torch.Tensor,
+) -> torch.Tensor:
+    # Γ(ξ,η)_G = ½[ξ_G(η_HᵀH + Hᵀη_H) + η_G(ξ_HᵀH + Hᵀξ_H)]Q⁻¹ − ½ G(ξ_Hᵀη_H + η_Hᵀξ_H)Q⁻¹
+    Kt = transpose(K)
+    a = uF @ (transpose(vK) @ K + Kt @ vK)
+    b = vF @ (transpose(uK) @ K + Kt @ uK)
+    c = F @ (transpose(uK) @ vK + transpose(vK) @ uK)
+    return 0.5 * (a + b - c) @ K_inv
+
+
+def christoffel(
+    G: torch.Tensor,
+    H: torch.Tensor,
+    uG: torch.Tensor,
+    uH: torch.Tensor,
+    vG: torch.Tensor,
+    vH: torch.Tensor,
+    gr: Grams,
+    metric: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The symmetric bilinear Christoffel form ``Γ_x(u, v)`` (spec §6.5).
+
+    With ``v = u`` this is the quadratic form of Eq. 11 (inv)
+
+    .. math::
+
+        Γ_G = −ξ_G P⁻¹(ξ_Gᵀ G + Gᵀ ξ_G) + G P⁻¹ ξ_Gᵀ ξ_G
+
+    (and the same with ``H, Q``) or Eq. 12 (mix)
+
+    .. math::
+
+        Γ_G = ξ_G(ξ_Hᵀ H + Hᵀ ξ_H)Q⁻¹ − G ξ_Hᵀ ξ_H Q⁻¹,\quad
+        Γ_H = ξ_H(ξ_Gᵀ G + Gᵀ ξ_G)P⁻¹ − H ξ_Gᵀ ξ_G P⁻¹,
+
+    including the ``H`` part that the paper omits.  The geodesic equation is
+    ``γ̈ = −Γ_γ(γ̇, γ̇)``.
+    """
+    dt = gr.P.dtype
+    G, H, uG, uH, vG, vH = (t.to(dt) for t in (G, H, uG, uH, vG, vH))
+    if metric == "inv":
+        return (
+            _christoffel_inv_factor(G, gr.P_inv, uG, vG),
+            _christoffel_inv_factor(H, gr.Q_inv, uH, vH),
+        )
+    return (
+        _christoffel_mix_factor(G, H, gr.Q_inv, uG, vG, uH, vH),
+        _christoffel_mix_factor(H, G, gr.P_inv, uH, vH, uG, vG),
+    )
