@@ -11,16 +11,31 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated")
     import geoopt  # noqa: F401
 
-from . import errors, geometry, manifolds
+from . import errors, geometry, manifolds, models, sharpness
 from .errors import (
+    BlockSpecError,
+    EmptyDataError,
     GeodesicDomainError,
+    InvalidRadiusError,
+    NoBlocksWarning,
     NonFiniteError,
+    PrecisionError,
     QuotientManifoldError,
     RankDeficientError,
     ShapeError,
+    SymmetryFallbackWarning,
     ZeroWeightError,
 )
 from .manifolds import AdaptiveEuclidean, DiagonalQuotient, GLQuotient, QuotientManifold
+from .models import (
+    BlockSpec,
+    FactorPart,
+    ModelGeometry,
+    declare_block,
+    discover_blocks,
+    reparametrize,
+)
+from .sharpness import SharpnessResult, TangentBall, adaptive_sharpness, geodesic_sharpness
 
 __version__ = "0.1.0"
 
@@ -38,4 +53,22 @@ __all__ = [
     "errors",
     "geometry",
     "manifolds",
+    "BlockSpecError",
+    "EmptyDataError",
+    "InvalidRadiusError",
+    "NoBlocksWarning",
+    "PrecisionError",
+    "SymmetryFallbackWarning",
+    "BlockSpec",
+    "FactorPart",
+    "ModelGeometry",
+    "declare_block",
+    "discover_blocks",
+    "reparametrize",
+    "SharpnessResult",
+    "TangentBall",
+    "adaptive_sharpness",
+    "geodesic_sharpness",
+    "models",
+    "sharpness",
 ]

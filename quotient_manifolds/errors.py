@@ -14,6 +14,12 @@ __all__ = [
     "ZeroWeightError",
     "NonFiniteError",
     "GeodesicDomainError",
+    "InvalidRadiusError",
+    "EmptyDataError",
+    "PrecisionError",
+    "BlockSpecError",
+    "SymmetryFallbackWarning",
+    "NoBlocksWarning",
 ]
 
 
@@ -51,4 +57,48 @@ class GeodesicDomainError(QuotientManifoldError, ValueError):
     For the ``mix`` metric of a diagonal net the geodesic is
     ``u·sqrt(1 + 2bt)``, which needs ``1 + 2b > 0``.  Use a smaller step or
     the second-order retraction.
+    """
+
+
+class InvalidRadiusError(QuotientManifoldError, ValueError):
+    """A sharpness radius ``rho`` is not a positive finite number.
+
+    The perturbation ball ``‖ξ‖ ≤ ρ`` needs ``ρ > 0``; pass e.g. ``rho=0.1``.
+    """
+
+
+class EmptyDataError(QuotientManifoldError, ValueError):
+    """The data iterable of a sharpness call yielded no batch.
+
+    Sharpness is a mean over batches; pass a non-empty iterable (a list of
+    batches or a ``DataLoader`` over a non-empty data set).
+    """
+
+
+class PrecisionError(QuotientManifoldError, TypeError):
+    """A model in half precision was given where float32/float64 is required.
+
+    The ``h×h`` Gram, projection and Christoffel algebra must not run in
+    float16/bfloat16.  Convert the model (``model.float()``) or pass
+    ``allow_half=True``; the block algebra then runs in float32.
+    """
+
+
+class BlockSpecError(QuotientManifoldError, ValueError):
+    """A declared GL block does not match the model's parameters."""
+
+
+class SymmetryFallbackWarning(UserWarning):
+    """Some weights lack the full GL symmetry; they use the adaptive geometry instead.
+
+    Emitted once per discovery, e.g. for rotary embeddings (no full GL(d_k) on
+    Q/K) or grouped K/V heads.  The fallbacks are recorded in the result.
+    """
+
+
+class NoBlocksWarning(UserWarning):
+    """No GL block was found in a model; every weight uses the adaptive geometry.
+
+    Declare blocks with :func:`quotient_manifolds.declare_block` if the model
+    has symmetries that discovery does not know about.
     """

@@ -46,15 +46,23 @@ class Grams(NamedTuple):
     Q: torch.Tensor
     P_inv: torch.Tensor
     Q_inv: torch.Tensor
-    L_P: torch.Tensor  # Cholesky factor of P (lower)
+    L_P: torch.Tensor  # lower Cholesky factor of P
+    L_Q: torch.Tensor  # lower Cholesky factor of Q
+    eps: float
 
 
 class SylvesterBasis(NamedTuple):
-    r"""Eigenbasis of ``A = PQ``: ``A = S diag(d) S⁻¹`` (spec §5.3.5)."""
+    r"""Diagonalising bases of the projection equation for ``Ω = Λᵀ`` (spec §5.3.5).
+
+    The equation becomes elementwise in ``Ω̃ = S⁻¹ Ω T``:
+    ``Ω = S ((S⁻¹ C T) ⊘ denom) T⁻¹``.
+    """
 
     S: torch.Tensor
     S_inv: torch.Tensor
-    d: torch.Tensor
+    T: torch.Tensor
+    T_inv: torch.Tensor
+    denom: torch.Tensor
 
 
 def check_finite(*tensors: torch.Tensor, what: str = "input") -> None:
@@ -103,21 +111,54 @@ def grams(G: torch.Tensor, H: torch.Tensor, eps: float = 0.0) -> Grams:
     Q = transpose(H) @ H + eps * I
     L_P = _cholesky_checked(P, "G", eps)
     L_Q = _cholesky_checked(Q, "H", eps)
-    return Grams(P, Q, torch.cholesky_inverse(L_P), torch.cholesky_inverse(L_Q), L_P)
+    # cholesky_solve, not cholesky_inverse: the latter's forward-mode derivative
+    # (torch.func.jvp/jacfwd) is wrong in torch 2.14; reverse mode agrees for both.
+    return Grams(P, Q, torch.cholesky_solve(I, L_P), torch.cholesky_solve(I, L_Q), L_P, L_Q, eps)
 
 
-def sylvester_basis(gr: Grams) -> SylvesterBasis:
-    r"""Diagonalise ``A = PQ`` through the SPD matrix ``L_Pᵀ Q L_P``.
+def _similarity_eig(L: torch.Tensor, K: torch.Tensor):
+    """Diagonalise ``L Lᵀ K`` via the symmetric ``Lᵀ K L = U D Uᵀ``; return ``(L U, D, U)``."""
+    d, U = torch.linalg.eigh(sym(transpose(L) @ K @ L))
+    return L @ U, d, U
 
-    With ``P = L Lᵀ`` (Cholesky) and ``Lᵀ Q L = U D Uᵀ``, ``A = S D S⁻¹`` with
-    ``S = L U`` and ``S⁻¹ = Uᵀ L⁻¹``.  This is the eigendecomposition solver of
-    spec §5.3.5 with the Cholesky factor in place of ``P^{1/2}`` (one ``eigh``
-    instead of two; both are similarity transforms to the same ``D``).
+
+def sylvester_basis(gr: Grams, metric: str) -> SylvesterBasis:
+    r"""Bases that make the horizontal-projection equation elementwise.
+
+    Metric-orthogonality of ``ξ + (GΛ, −HΛᵀ)`` to the vertical space gives, with
+    ``Ω = Λᵀ``, ``P̂ = GᵀG = P − εI`` and ``Q̂ = HᵀH = Q − εI``:
+
+    * inv: ``(P Q̂) Ω + Ω (P̂ Q) = B``, ``B = P Hᵀ ξ_H − ξ_Gᵀ G Q``.  At ``ε = 0``
+      this is the corrected Sylvester equation ``AΩ + ΩA = B``, ``A = PQ``.
+      ``PQ̂ = S D₁ S⁻¹`` with ``S = L_P U₁`` from ``L_Pᵀ Q̂ L_P = U₁ D₁ U₁ᵀ``
+      (the eigendecomposition solver of spec §5.3.5, with the Cholesky factor
+      in place of ``P^{1/2}``), and ``P̂Q = T D₂ T⁻¹`` with ``T = L_Q⁻ᵀ U₂``
+      from ``L_Qᵀ P̂ L_Q = U₂ D₂ U₂ᵀ`` (at ``ε = 0``, ``T = S``).
+    * mix: ``Q Ω P̂ + Q̂ Ω P = C``, ``C = Hᵀ ξ_H P − Q ξ_Gᵀ G``.  ``Q, Q̂`` and
+      ``P, P̂`` commute, so the eigenvectors of ``Q`` and ``P`` diagonalise it.
+
+    With ``ε > 0`` this is the exact metric-orthogonal projection for the
+    relaxed metric (idempotent and self-adjoint).
     """
-    L = gr.L_P
-    d, U = torch.linalg.eigh(sym(transpose(L) @ gr.Q @ L))
-    L_inv = torch.linalg.solve_triangular(L, eye_like(L), upper=False)
-    return SylvesterBasis(L @ U, transpose(U) @ L_inv, d)
+    eps = gr.eps
+    if metric == "inv":
+        I = eye_like(gr.P)
+        Q_hat = gr.Q - eps * I if eps else gr.Q
+        S, d1, U1 = _similarity_eig(gr.L_P, Q_hat)
+        L_P_inv = torch.linalg.solve_triangular(gr.L_P, I, upper=False)
+        S_inv = transpose(U1) @ L_P_inv
+        if not eps:
+            return SylvesterBasis(S, S_inv, S, S_inv, d1.unsqueeze(-1) + d1.unsqueeze(-2))
+        # P̂ Q = L_Q⁻ᵀ (L_Qᵀ P̂ L_Q) L_Qᵀ = T D₂ T⁻¹ with T = L_Q⁻ᵀ U₂.
+        _, d2, U2 = _similarity_eig(gr.L_Q, gr.P - eps * I)
+        L_Q_inv = torch.linalg.solve_triangular(gr.L_Q, I, upper=False)
+        T = transpose(L_Q_inv) @ U2
+        T_inv = transpose(U2) @ transpose(gr.L_Q)
+        return SylvesterBasis(S, S_inv, T, T_inv, d1.unsqueeze(-1) + d2.unsqueeze(-2))
+    q, V_Q = torch.linalg.eigh(gr.Q)
+    p, V_P = torch.linalg.eigh(gr.P)
+    denom = q.unsqueeze(-1) * (p - eps).unsqueeze(-2) + (q - eps).unsqueeze(-1) * p.unsqueeze(-2)
+    return SylvesterBasis(V_Q, transpose(V_Q), V_P, transpose(V_P), denom)
 
 
 def _tr_inner(a: torch.Tensor, M: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -183,18 +224,24 @@ def horizontal_lambda(
 
     inv (corrected Sylvester equation): ``AΩ + ΩA = B`` with ``A = PQ``,
     ``B = P Hᵀ ξ_H − ξ_Gᵀ G Q`` and ``Λ = Ωᵀ``; solved in the eigenbasis of
-    ``A`` as ``Ω̃_ij = B̃_ij / (d_i + d_j)``.
+    ``A`` as ``Ω̃_ij = B̃_ij / (d_i + d_j)``.  With ``ε > 0`` (and for mix with
+    ``ε > 0``) the equation of :func:`sylvester_basis` is solved instead, so the
+    result is the exact projection for the relaxed metric.
     """
     dt = gr.P.dtype
     G, H, uG, uH = (t.to(dt) for t in (G, H, uG, uH))
-    if metric == "mix":
+    if metric == "mix" and not gr.eps:
         return 0.5 * ((transpose(uH) @ H) @ gr.Q_inv - gr.P_inv @ (transpose(G) @ uG))
     if basis is None:
-        basis = sylvester_basis(gr)
-    B = horizontal_residual(G, H, uG, uH, gr, "inv")
-    B_t = basis.S_inv @ B @ basis.S
-    omega_t = B_t / (basis.d.unsqueeze(-1) + basis.d.unsqueeze(-2))
-    return transpose(basis.S @ omega_t @ basis.S_inv)
+        basis = sylvester_basis(gr, metric)
+    rhs = horizontal_residual(G, H, uG, uH, gr, metric)
+    if metric == "mix":
+        rhs = -transpose(rhs)  # C = Hᵀ ξ_H P − Q ξ_Gᵀ G
+    rhs_t = basis.S_inv @ rhs @ basis.T
+    # A zero denominator means both factors are degenerate there: no vertical direction.
+    safe = basis.denom.abs() > torch.finfo(dt).tiny
+    omega_t = torch.where(safe, rhs_t / torch.where(safe, basis.denom, 1.0), 0.0)
+    return transpose(basis.S @ omega_t @ basis.T_inv)
 
 
 def vertical(

@@ -10,7 +10,7 @@ operations, so autograd differentiates through it, and the cost is a fixed
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -2,8 +2,6 @@ r"""The elementwise "adaptive" geometry used for every weight outside a GL block
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import geoopt
 import torch
 from geoopt.utils import broadcast_shapes, size2shape
@@ -60,12 +58,12 @@ class AdaptiveEuclidean(QuotientManifold):
     def extra_repr(self) -> str:
         return f"eps={self.eps:g}, ndim={self.ndim}, {super().extra_repr()}"
 
-    def _check_shape(self, shape: Tuple[int], name: str) -> Tuple[bool, Optional[str]]:
+    def _check_shape(self, shape: tuple[int], name: str) -> tuple[bool, str | None]:
         if len(shape) < self.ndim:
             return False, f"`{name}` needs at least ndim={self.ndim} dims, got {tuple(shape)}"
         return True, None
 
-    def _zero_free(self, x: torch.Tensor) -> Tuple[bool, Optional[str]]:
+    def _zero_free(self, x: torch.Tensor) -> tuple[bool, str | None]:
         if self.eps == 0 and bool((x == 0).any()):
             return False, (
                 "zero weight with eps = 0: the adaptive metric ξ²/w² is undefined at w = 0; "
@@ -75,16 +73,16 @@ class AdaptiveEuclidean(QuotientManifold):
 
     def _check_point_on_manifold(
         self, x: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
-    ) -> Tuple[bool, Optional[str]]:
+    ) -> tuple[bool, str | None]:
         ok, reason = self._point_finite(x)
         return self._zero_free(x) if ok else (ok, reason)
 
     def _check_vector_on_tangent(
         self, x: torch.Tensor, u: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
-    ) -> Tuple[bool, Optional[str]]:
+    ) -> tuple[bool, str | None]:
         return True, None
 
-    def _prepare(self, x: torch.Tensor, *vectors: Optional[torch.Tensor], divides: bool = True):
+    def _prepare(self, x: torch.Tensor, *vectors: torch.Tensor | None, divides: bool = True):
         if self.validate:
             if len(x.shape) < self.ndim:
                 raise ShapeError(self._check_shape(x.shape, "x")[1])
@@ -108,7 +106,7 @@ class AdaptiveEuclidean(QuotientManifold):
         self,
         x: torch.Tensor,
         u: torch.Tensor,
-        v: Optional[torch.Tensor] = None,
+        v: torch.Tensor | None = None,
         *,
         keepdim: bool = False,
     ) -> torch.Tensor:
@@ -118,7 +116,7 @@ class AdaptiveEuclidean(QuotientManifold):
         return self._reduce(u_ * v_ / am.scale2(w, self.eps), x, keepdim).to(u.dtype)
 
     def component_inner(
-        self, x: torch.Tensor, u: torch.Tensor, v: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Elementwise metric terms (so RiemannianAdam adapts per weight, like Adam)."""
         w, u_, v_ = self._prepare(x, u, v)
@@ -136,7 +134,7 @@ class AdaptiveEuclidean(QuotientManifold):
         return am.egrad2rgrad(w, g, self.eps).to(u.dtype)
 
     def christoffel(
-        self, x: torch.Tensor, u: torch.Tensor, v: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
         r"""``Γ_w(u, v) = −w u v / (w² + ε)``."""
         w, u_, v_ = self._prepare(x, u, v)
@@ -162,9 +160,9 @@ class AdaptiveEuclidean(QuotientManifold):
     # -- sampling -------------------------------------------------------------
     def random(
         self,
-        *size: Union[int, Tuple[int]],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        *size: int | tuple[int],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> geoopt.ManifoldTensor:
         """Standard Gaussian weights (nonzero almost surely)."""
         shape = size2shape(*size)
@@ -173,10 +171,10 @@ class AdaptiveEuclidean(QuotientManifold):
 
     def origin(
         self,
-        *size: Union[int, Tuple[int]],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-        seed: Optional[int] = 42,
+        *size: int | tuple[int],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        seed: int | None = 42,
     ) -> geoopt.ManifoldTensor:
         """All-ones weights."""
         shape = size2shape(*size)

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import geoopt
 import torch
 
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, ShapeError
 from ..geometry.gl import check_finite
 
-__all__ = ["RETRACTIONS", "QuotientManifold"]
+__all__ = ["RETRACTIONS", "QuotientManifold", "assert_broadcastable"]
 
 RETRACTIONS = ("first_order", "second_order", "exact")
+
+
+def assert_broadcastable(shapes: dict, ndim: int) -> None:
+    """Points and vectors must share their trailing ``ndim`` dims and broadcast in front."""
+    points = {tuple(s[-ndim:]) for s in shapes.values()}
+    try:
+        torch.broadcast_shapes(*(s[:-ndim] for s in shapes.values()))
+    except RuntimeError:
+        points = set()
+    if len(points) != 1:
+        listed = ", ".join(f"{k}: {tuple(v)}" for k, v in shapes.items())
+        raise ShapeError(f"point and tangent vectors do not match ({listed})")
 
 
 class QuotientManifold(geoopt.manifolds.Manifold):
@@ -42,11 +52,11 @@ class QuotientManifold(geoopt.manifolds.Manifold):
         self.validate = validate
 
     # -- checks ---------------------------------------------------------------
-    def _check_inputs(self, *tensors: Optional[torch.Tensor]) -> None:
+    def _check_inputs(self, *tensors: torch.Tensor | None) -> None:
         if self.validate:
             check_finite(*(t for t in tensors if t is not None))
 
-    def _point_finite(self, x: torch.Tensor) -> Tuple[bool, Optional[str]]:
+    def _point_finite(self, x: torch.Tensor) -> tuple[bool, str | None]:
         try:
             check_finite(x, what="point")
         except NonFiniteError as e:
@@ -55,7 +65,7 @@ class QuotientManifold(geoopt.manifolds.Manifold):
 
     # -- geometry provided by subclasses --------------------------------------
     def christoffel(
-        self, x: torch.Tensor, u: torch.Tensor, v: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
         r"""Christoffel form ``Γ_x(u, v)``; ``Γ_x(u, u)`` when ``v`` is omitted."""
         raise NotImplementedError
@@ -87,7 +97,7 @@ class QuotientManifold(geoopt.manifolds.Manifold):
 
     def retr_transp(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         y = self.retr(x, u)
         return y, self.proju(y, v)
 

@@ -2,8 +2,6 @@ r"""Diagonal networks ``β = u ⊙ v`` modulo the re-scaling group GL(1)^d."""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import geoopt
 import torch
 from geoopt.utils import size2shape
@@ -12,7 +10,7 @@ from ..errors import RankDeficientError, ShapeError
 from ..geometry import diagonal as dm
 from ..geometry.gl import METRICS
 from ..geometry.linalg import compute_dtype
-from .base import QuotientManifold
+from .base import QuotientManifold, assert_broadcastable
 
 __all__ = ["DiagonalQuotient"]
 
@@ -59,7 +57,7 @@ class DiagonalQuotient(QuotientManifold):
         return f"metric={self.metric!r}, {super().extra_repr()}"
 
     # -- packing ---------------------------------------------------------------
-    def split(self, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(u, v)`` of a packed ``(..., 2, d)`` tensor."""
         return t[..., 0, :], t[..., 1, :]
 
@@ -73,12 +71,12 @@ class DiagonalQuotient(QuotientManifold):
         return self.pack_point(a, b).to(dtype)
 
     # -- checks ---------------------------------------------------------------
-    def _check_shape(self, shape: Tuple[int], name: str) -> Tuple[bool, Optional[str]]:
+    def _check_shape(self, shape: tuple[int], name: str) -> tuple[bool, str | None]:
         if len(shape) < 2 or shape[-2] != 2:
             return False, f"`{name}` must have shape (..., 2, d) (rows u, v), got {tuple(shape)}"
         return True, None
 
-    def _nonzero(self, x: torch.Tensor) -> Tuple[bool, Optional[str]]:
+    def _nonzero(self, x: torch.Tensor) -> tuple[bool, str | None]:
         if bool((x == 0).any()):
             return False, (
                 "a diagonal-net point has a zero entry in u or v; the GL(1)^d quotient "
@@ -88,13 +86,13 @@ class DiagonalQuotient(QuotientManifold):
 
     def _check_point_on_manifold(
         self, x: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
-    ) -> Tuple[bool, Optional[str]]:
+    ) -> tuple[bool, str | None]:
         ok, reason = self._point_finite(x)
         return self._nonzero(x) if ok else (ok, reason)
 
     def _check_vector_on_tangent(
         self, x: torch.Tensor, u: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
-    ) -> Tuple[bool, Optional[str]]:
+    ) -> tuple[bool, str | None]:
         (a, c), (xa, xc) = self.split(x), self.split(u)
         lhs, rhs = xa * c, xc * a  # η_u/u = η_v/v  ⇔  η_u v = η_v u
         if not torch.allclose(lhs, rhs, atol=atol, rtol=rtol):
@@ -104,13 +102,18 @@ class DiagonalQuotient(QuotientManifold):
             )
         return True, None
 
-    def _prepare(self, x: torch.Tensor, *vectors: Optional[torch.Tensor]):
+    def _prepare(self, x: torch.Tensor, *vectors: torch.Tensor | None):
         if self.validate:
             for name, t in (("x", x),) + tuple((f"u{i}", v) for i, v in enumerate(vectors)):
                 if t is not None:
                     ok, reason = self._check_shape(t.shape, name)
                     if not ok:
                         raise ShapeError(reason)
+            assert_broadcastable(
+                {"x": x.shape}
+                | {f"u{i}": v.shape for i, v in enumerate(vectors) if v is not None},
+                self.ndim,
+            )
             self._check_inputs(x, *vectors)
             ok, reason = self._nonzero(x)
             if not ok:
@@ -123,7 +126,7 @@ class DiagonalQuotient(QuotientManifold):
         self,
         x: torch.Tensor,
         u: torch.Tensor,
-        v: Optional[torch.Tensor] = None,
+        v: torch.Tensor | None = None,
         *,
         keepdim: bool = False,
     ) -> torch.Tensor:
@@ -144,7 +147,7 @@ class DiagonalQuotient(QuotientManifold):
         return self._join(*dm.egrad2rgrad(a, c, ga, gc, self.metric), u.dtype)
 
     def christoffel(
-        self, x: torch.Tensor, u: torch.Tensor, v: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
         r"""``Γ_x(u, v)``; see :func:`quotient_manifolds.geometry.diagonal.christoffel`."""
         (a, c), (ua, uc), vv = self._prepare(x, u, v)
@@ -179,9 +182,9 @@ class DiagonalQuotient(QuotientManifold):
     # -- sampling -------------------------------------------------------------
     def random(
         self,
-        *size: Union[int, Tuple[int]],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        *size: int | tuple[int],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> geoopt.ManifoldTensor:
         """Standard Gaussian ``u`` and ``v`` (nonzero almost surely)."""
         shape = size2shape(*size)
@@ -192,10 +195,10 @@ class DiagonalQuotient(QuotientManifold):
 
     def origin(
         self,
-        *size: Union[int, Tuple[int]],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-        seed: Optional[int] = 42,
+        *size: int | tuple[int],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        seed: int | None = 42,
     ) -> geoopt.ManifoldTensor:
         """``u = v = 1``."""
         shape = size2shape(*size)

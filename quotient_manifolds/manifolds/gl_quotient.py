@@ -2,8 +2,6 @@ r"""GL(h) quotient of factor pairs ``(G, H)`` that act only through ``G Hᵀ``."
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import geoopt
 import torch
 from geoopt.utils import size2shape
@@ -12,9 +10,10 @@ from ..errors import RankDeficientError, ShapeError
 from ..geometry import gl
 from ..geometry.linalg import compute_dtype, transpose
 from ..geometry.ode import rk4_geodesic
-from .base import QuotientManifold
+from .base import QuotientManifold, assert_broadcastable
 
 __all__ = ["GLQuotient"]
+
 
 
 class GLQuotient(QuotientManifold):
@@ -96,7 +95,7 @@ class GLQuotient(QuotientManifold):
         )
 
     # -- packing ---------------------------------------------------------------
-    def split(self, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views ``(G, H)`` (or tangent components) of a packed tensor."""
         return t[..., : self.n, :], t[..., self.n :, :]
 
@@ -113,7 +112,7 @@ class GLQuotient(QuotientManifold):
         return torch.cat([G, H], dim=-2).to(dtype)
 
     # -- checks ---------------------------------------------------------------
-    def _check_shape(self, shape: Tuple[int], name: str) -> Tuple[bool, Optional[str]]:
+    def _check_shape(self, shape: tuple[int], name: str) -> tuple[bool, str | None]:
         if len(shape) < 2:
             return False, f"`{name}` needs at least 2 dims (..., n + m, h), got {tuple(shape)}"
         if shape[-2] != self.n + self.m:
@@ -133,17 +132,17 @@ class GLQuotient(QuotientManifold):
             )
         return True, None
 
-    def _assert_shapes(self, **tensors: Optional[torch.Tensor]) -> None:
-        for name, t in tensors.items():
-            if t is None:
-                continue
-            ok, reason = self._check_shape(t.shape, name)
+    def _assert_shapes(self, **tensors: torch.Tensor | None) -> None:
+        shapes = {name: t.shape for name, t in tensors.items() if t is not None}
+        for name, shape in shapes.items():
+            ok, reason = self._check_shape(shape, name)
             if not ok:
                 raise ShapeError(reason)
+        assert_broadcastable(shapes, self.ndim)
 
     def _check_point_on_manifold(
         self, x: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
-    ) -> Tuple[bool, Optional[str]]:
+    ) -> tuple[bool, str | None]:
         ok, reason = self._point_finite(x)
         if not ok:
             return ok, reason
@@ -155,7 +154,7 @@ class GLQuotient(QuotientManifold):
 
     def _check_vector_on_tangent(
         self, x: torch.Tensor, u: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
-    ) -> Tuple[bool, Optional[str]]:
+    ) -> tuple[bool, str | None]:
         G, H = self.split(x)
         uG, uH = self.split(u)
         gr = gl.grams(G, H, self.eps)
@@ -172,7 +171,7 @@ class GLQuotient(QuotientManifold):
         return True, None
 
     # -- geometry -------------------------------------------------------------
-    def _prepare(self, x: torch.Tensor, *vectors: Optional[torch.Tensor]):
+    def _prepare(self, x: torch.Tensor, *vectors: torch.Tensor | None):
         if self.validate:
             self._assert_shapes(x=x, **{f"u{i}": v for i, v in enumerate(vectors)})
         self._check_inputs(x, *vectors)
@@ -183,7 +182,7 @@ class GLQuotient(QuotientManifold):
         self,
         x: torch.Tensor,
         u: torch.Tensor,
-        v: Optional[torch.Tensor] = None,
+        v: torch.Tensor | None = None,
         *,
         keepdim: bool = False,
     ) -> torch.Tensor:
@@ -213,7 +212,7 @@ class GLQuotient(QuotientManifold):
         return self._join(pG, pH, u.dtype)
 
     def christoffel(
-        self, x: torch.Tensor, u: torch.Tensor, v: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
         r"""``Γ_x(u, v)`` (Eq. 11/12, polarised); ``Γ_x(u, u)`` if ``v`` is omitted."""
         G, H, gr = self._prepare(x, u, v)
@@ -246,7 +245,8 @@ class GLQuotient(QuotientManifold):
         r"""Group action ``(G g⁻¹, H gᵀ)``; linear, so it also maps tangent vectors."""
         G, H = self.split(x)
         g = g.to(x.dtype)
-        return self._join(transpose(torch.linalg.solve(transpose(g), transpose(G))), H @ transpose(g), x.dtype)
+        G_new = transpose(torch.linalg.solve(transpose(g), transpose(G)))  # G g⁻¹
+        return self._join(G_new, H @ transpose(g), x.dtype)
 
     def invariant(self, x: torch.Tensor) -> torch.Tensor:
         """``G Hᵀ``, the only thing the network sees."""
@@ -256,9 +256,9 @@ class GLQuotient(QuotientManifold):
     # -- sampling -------------------------------------------------------------
     def random(
         self,
-        *size: Union[int, Tuple[int]],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
+        *size: int | tuple[int],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
     ) -> geoopt.ManifoldTensor:
         """Gaussian factors with entries ``N(0, 1/h)`` (full rank almost surely)."""
         shape = size2shape(*size)
@@ -268,10 +268,10 @@ class GLQuotient(QuotientManifold):
 
     def origin(
         self,
-        *size: Union[int, Tuple[int]],
-        dtype: Optional[torch.dtype] = None,
-        device: Optional[torch.device] = None,
-        seed: Optional[int] = 42,
+        *size: int | tuple[int],
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+        seed: int | None = 42,
     ) -> geoopt.ManifoldTensor:
         """``G = I_{n×h}``, ``H = I_{m×h}`` (truncated identities), broadcast to ``size``."""
         shape = size2shape(*size)
