@@ -238,3 +238,15 @@ def test_low_precision_inputs_use_float32_small_solves(dtype, metric):
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, rtol=0.05, atol=0.05)
     assert M.inner(xl, ul).dtype == dtype
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("retraction", ["second_order", "exact"])
+def test_retractions_are_differentiable(metric, retraction):
+    """The sharpness engine differentiates the perturbed weights w.r.t. ξ and the base point."""
+    gen = torch.Generator().manual_seed(9)
+    M = qm.GLQuotient(3, 2, metric=metric, retraction=retraction, steps=4)
+    x = gl_point(M, 2, gen).requires_grad_(True)
+    u = (0.2 * torch.randn(x.shape, generator=gen)).requires_grad_(True)
+    assert torch.autograd.gradcheck(M.retr, (x, u))
+    assert torch.autograd.gradcheck(lambda x, u: M.inner(x, M.proju(x, u)), (x, u))
