@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP_QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install demo test test-slow lint bench clean examples
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,6 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+examples: install
+	for f in examples/*.py; do echo "== $$f"; $(PY) $$f --small; done

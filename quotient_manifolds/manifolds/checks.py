@@ -16,6 +16,8 @@ in the number of coordinates ``N``: meant for small blocks.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -38,7 +40,10 @@ def christoffel_from_metric(manifold, x: torch.Tensor) -> torch.Tensor:
 
     z = x.detach().reshape(-1)
     g = g_flat(z)
-    dg = torch.func.jacfwd(g_flat)(z)  # dg[σ, μ, ν] = ∂_ν g_{σμ}
+    with warnings.catch_warnings():
+        # torch 2.14 builds its forward-mode decompositions with the deprecated jit.script
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated")
+        dg = torch.func.jacfwd(g_flat)(z)  # dg[σ, μ, ν] = ∂_ν g_{σμ}
     term = dg + dg.transpose(1, 2) - dg.permute(2, 0, 1)
     # term[σ, μ, ν] = ∂_ν g_{σμ} + ∂_μ g_{σν} − ∂_σ g_{μν}
     return 0.5 * torch.einsum("ls,smn->lmn", torch.linalg.inv(g), term).reshape(N, N, N)
