@@ -107,3 +107,11 @@ def test_bad_constructor_arguments():
         qm.AdaptiveEuclidean(eps=-1.0)
     with pytest.raises(ValueError, match="steps"):
         qm.GLQuotient(3, 3, retraction="exact", steps=0)
+
+
+def test_weights_whose_square_underflows_count_as_zero():
+    """float32 weights below ~1e-22 square to 0; the metric ξ²/w² would be 0/0 there."""
+    M = qm.AdaptiveEuclidean()
+    w = torch.tensor([1.0, 1e-30, -2.0], dtype=torch.float32)
+    with pytest.raises(qm.ZeroWeightError, match="underflows"):
+        M.inner(w, torch.ones(3, dtype=torch.float32))

@@ -227,7 +227,7 @@ def test_relaxation_handles_rank_deficient_blocks(metric):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("metric", METRICS)
-def test_low_precision_inputs_use_float32_small_solves(dtype, metric):
+def test_low_precision_inputs_use_float64_small_solves(dtype, metric):
     gen = torch.Generator().manual_seed(8)
     M = qm.GLQuotient(16, 16, metric=metric, retraction="second_order")
     x = gl_point(M, 4, gen, batch=(3,))

@@ -7,8 +7,8 @@ all leading dimensions and never loops over blocks.  The thin manifold class
 in :mod:`quotient_manifolds.manifolds.gl_quotient` packs and unpacks them.
 
 Notation (spec §1.3): ``P = GᵀG + εI`` and ``Q = HᵀH + εI`` are the (relaxed)
-Gram matrices.  All ``h×h`` algebra runs in float32 or float64, never in half
-precision.
+Gram matrices.  Gram matrices and all ``h×h`` algebra run in float64 whatever the
+input dtype; results come back in the dtype of the tangent inputs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import NonFiniteError, RankDeficientError
-from .linalg import compute_dtype, eye_like, sym, transpose
+from .linalg import GRAM_DTYPE, eye_like, sym, transpose
 
 __all__ = [
     "METRICS",
@@ -40,7 +40,7 @@ METRICS = ("inv", "mix")
 
 
 class Grams(NamedTuple):
-    """Gram matrices of a block and their inverses, in the compute dtype."""
+    """Gram matrices of a block, their inverses and Cholesky factors, in float64."""
 
     P: torch.Tensor
     Q: torch.Tensor
@@ -103,9 +103,8 @@ def grams(G: torch.Tensor, H: torch.Tensor, eps: float = 0.0) -> Grams:
     Raises :class:`RankDeficientError` when a factor has no full column rank
     (Assumption 5.1) and the relaxation does not fix it.
     """
-    dtype = compute_dtype(G.dtype)
-    G = G.to(dtype)
-    H = H.to(dtype)
+    G = G.to(GRAM_DTYPE)
+    H = H.to(GRAM_DTYPE)
     I = eye_like(G)
     P = transpose(G) @ G + eps * I
     Q = transpose(H) @ H + eps * I
@@ -183,11 +182,13 @@ def inner(
         ⟨η, ζ⟩^{inv} = Tr(P⁻¹ η_Gᵀ ζ_G + Q⁻¹ η_Hᵀ ζ_H), \qquad
         ⟨η, ζ⟩^{mix} = Tr(Q η_Gᵀ ζ_G + P η_Hᵀ ζ_H).
     """
-    dt = gr.P.dtype
+    out_dt, dt = uG.dtype, gr.P.dtype
     uG, uH, vG, vH = (t.to(dt) for t in (uG, uH, vG, vH))
     if metric == "inv":
-        return _tr_inner(uG, gr.P_inv, vG) + _tr_inner(uH, gr.Q_inv, vH)
-    return _tr_inner(uG, gr.Q, vG) + _tr_inner(uH, gr.P, vH)
+        out = _tr_inner(uG, gr.P_inv, vG) + _tr_inner(uH, gr.Q_inv, vH)
+    else:
+        out = _tr_inner(uG, gr.Q, vG) + _tr_inner(uH, gr.P, vH)
+    return out.to(out_dt)
 
 
 def horizontal_residual(
@@ -280,11 +281,13 @@ def egrad2rgrad(
     inv: ``(∇_G P, ∇_H Q)``; mix: ``(∇_G Q⁻¹, ∇_H P⁻¹)`` (spec §5.3.6).
     For a GL-invariant loss the result is already horizontal.
     """
-    dt = gr.P.dtype
+    out_dt, dt = gG.dtype, gr.P.dtype
     gG, gH = gG.to(dt), gH.to(dt)
     if metric == "inv":
-        return gG @ gr.P, gH @ gr.Q
-    return gG @ gr.Q_inv, gH @ gr.P_inv
+        rG, rH = gG @ gr.P, gH @ gr.Q
+    else:
+        rG, rH = gG @ gr.Q_inv, gH @ gr.P_inv
+    return rG.to(out_dt), rH.to(out_dt)
 
 
 def _christoffel_inv_factor(
@@ -343,14 +346,12 @@ def christoffel(
     including the ``H`` part that the paper omits.  The geodesic equation is
     ``γ̈ = −Γ_γ(γ̇, γ̇)``.
     """
-    dt = gr.P.dtype
+    out_dt, dt = uG.dtype, gr.P.dtype
     G, H, uG, uH, vG, vH = (t.to(dt) for t in (G, H, uG, uH, vG, vH))
     if metric == "inv":
-        return (
-            _christoffel_inv_factor(G, gr.P_inv, uG, vG),
-            _christoffel_inv_factor(H, gr.Q_inv, uH, vH),
-        )
-    return (
-        _christoffel_mix_factor(G, H, gr.Q_inv, uG, vG, uH, vH),
-        _christoffel_mix_factor(H, G, gr.P_inv, uH, vH, uG, vG),
-    )
+        cG = _christoffel_inv_factor(G, gr.P_inv, uG, vG)
+        cH = _christoffel_inv_factor(H, gr.Q_inv, uH, vH)
+    else:
+        cG = _christoffel_mix_factor(G, H, gr.Q_inv, uG, vG, uH, vH)
+        cH = _christoffel_mix_factor(H, G, gr.P_inv, uH, vH, uG, vG)
+    return cG.to(out_dt), cH.to(out_dt)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_dtype", "eye_like", "sym", "transpose"]
+__all__ = ["GRAM_DTYPE", "compute_dtype", "eye_like", "sym", "transpose"]
+
+# Gram matrices, their factorisations and every h×h solve run in float64 whatever the
+# input dtype: they cost O(n h²) per block, negligible next to a forward pass, and a
+# float32 Gram matrix of a factor with condition number 1e3 is already near singular.
+GRAM_DTYPE = torch.float64
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype for small dense solves: float64 stays, everything else is float32."""
+    """Dtype for elementwise geometry: float64 stays, everything else is float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -64,10 +64,10 @@ class AdaptiveEuclidean(QuotientManifold):
         return True, None
 
     def _zero_free(self, x: torch.Tensor) -> tuple[bool, str | None]:
-        if self.eps == 0 and bool((x == 0).any()):
+        if self.eps == 0 and bool((am.scale2(x, 0.0) == 0).any()):
             return False, (
-                "zero weight with eps = 0: the adaptive metric ξ²/w² is undefined at w = 0; "
-                "pass eps > 0 to use ξ²/(w² + eps)"
+                "zero weight with eps = 0 (w = 0, or |w| so small that w² underflows): the "
+                "adaptive metric ξ²/w² is undefined there; pass eps > 0 to use ξ²/(w² + eps)"
             )
         return True, None
 

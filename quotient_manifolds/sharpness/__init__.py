@@ -1,0 +1,19 @@
+"""Sharpness layer: geodesic and adaptive sharpness, the tangent ball and Auto-PGD.
+
+Imports only from :mod:`quotient_manifolds.models` and ``manifolds``.
+"""
+
+from .apgd import APGDResult, apgd, checkpoints
+from .engine import adaptive_sharpness, geodesic_sharpness
+from .result import SharpnessResult
+from .tangent_ball import TangentBall
+
+__all__ = [
+    "APGDResult",
+    "SharpnessResult",
+    "TangentBall",
+    "adaptive_sharpness",
+    "apgd",
+    "checkpoints",
+    "geodesic_sharpness",
+]

@@ -1,0 +1,223 @@
+"""Sharpness engine: nothing lost, invariance (paper §6.2), bad input, APGD, TangentBall."""
+
+from __future__ import annotations
+
+import math
+
+import geoopt
+import pytest
+import torch
+from model_zoo import (
+    MHANet,
+    bert_data,
+    ce_loss,
+    hf_loss,
+    image_data,
+    mha_data,
+    minilm,
+    minilm_data,
+    minilm_loss,
+    small_bert,
+    small_timm_vit,
+    vit_loss,
+)
+from torch import nn
+
+import quotient_manifolds as qm
+from quotient_manifolds.sharpness import checkpoints
+from quotient_manifolds.sharpness.engine import _ellipsoid_projection
+
+
+def _snapshot(model):
+    return (
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        {n: b.detach().clone() for n, b in model.named_buffers()},
+        {n: p.requires_grad for n, p in model.named_parameters()},
+        {n: m.training for n, m in model.named_modules()},
+        {n: p.grad for n, p in model.named_parameters()},
+    )
+
+
+def _assert_same(model, snap):
+    params, bufs, rg, modes, grads = snap
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+        assert p.requires_grad == rg[n] and p.grad is grads[n], n
+    for n, b in model.named_buffers():
+        assert torch.equal(b, bufs[n]), n
+    assert {n: m.training for n, m in model.named_modules()} == modes
+
+
+def test_checkpoints_match_reference():
+    assert checkpoints(20) == [5, 9, 12, 15, 16, 18, 19, 20]
+    assert checkpoints(100) == [22, 41, 58, 70, 80, 87, 93, 99, 105]
+
+
+def test_nothing_lost_normal_exception_and_interrupt():
+    model = MHANet()
+    model.train()  # BatchNorm in train mode: the call must still use eval and restore
+    model.head.weight.requires_grad_(False)
+    snap = _snapshot(model)
+    data = mha_data()
+    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=5, progress=False)
+    assert r.value > 0
+    _assert_same(model, snap)
+    qm.adaptive_sharpness(model, ce_loss, data, rho=0.1, n_iter=5, progress=False)
+    _assert_same(model, snap)
+    for exc in (RuntimeError, KeyboardInterrupt):
+        calls = {"n": 0}
+
+        def bad_loss(m, b, exc=exc, calls=calls):
+            calls["n"] += 1
+            assert not m.training  # computation runs in eval mode
+            if calls["n"] == 4:
+                raise exc("stop")
+            return ce_loss(m, b)
+
+        with pytest.raises(exc):
+            qm.geodesic_sharpness(model, bad_loss, data, rho=0.1, n_iter=5, progress=False)
+        _assert_same(model, snap)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_invariance_mha(metric):
+    model = MHANet(d=8, heads=2).eval()
+    data = mha_data(n_batches=1)
+    ref = qm.geodesic_sharpness(model, ce_loss, data, rho=0.2, metric=metric, n_iter=8,
+                                progress=False)
+    ad_ref = qm.adaptive_sharpness(model, ce_loss, data, rho=0.2, n_iter=8, progress=False)
+    assert ref.value > 0
+    ad_changes = []
+    for a in (1e-2, 1.0, 1e2):
+        new = qm.reparametrize(model, a, seed=7)
+        torch.testing.assert_close(new(data[0][0]), model(data[0][0]), rtol=1e-8, atol=1e-10)
+        r = qm.geodesic_sharpness(new, ce_loss, data, rho=0.2, metric=metric, n_iter=8,
+                                  progress=False)
+        assert abs(r.value / ref.value - 1) < 1e-6, (a, r.value, ref.value)
+        ad = qm.adaptive_sharpness(new, ce_loss, data, rho=0.2, n_iter=8, progress=False)
+        ad_changes.append(abs(ad.value / ad_ref.value - 1))
+    assert max(ad_changes) > 1e-3  # adaptive sharpness is not invariant
+
+
+@pytest.mark.parametrize("which", ["bert", "timm_vit"])
+def test_invariance_transformers(which):
+    if which == "bert":
+        model, data, lf = small_bert().eval(), bert_data(n_batches=1), hf_loss
+    else:
+        model, data, lf = small_timm_vit().eval(), image_data(n_batches=1), vit_loss
+    kw = dict(rho=0.1, n_iter=6, progress=False)
+    ref = qm.geodesic_sharpness(model, lf, data, **kw)
+    ad_ref = qm.adaptive_sharpness(model, lf, data, **kw)
+    for a in (1e-2, 1e2):
+        new = qm.reparametrize(model, a, seed=11)
+        r = qm.geodesic_sharpness(new, lf, data, **kw)
+        assert abs(r.value / ref.value - 1) < 1e-6, (a, r.value, ref.value)
+        ad = qm.adaptive_sharpness(new, lf, data, **kw)
+        assert abs(ad.value / ad_ref.value - 1) > 1e-3
+
+
+@pytest.mark.slow
+def test_invariance_minilm_real_weights():
+    model = minilm().double().eval()
+    data = minilm_data(n_batches=1, bs=2, seq=6)
+    kw = dict(rho=0.05, n_iter=4, progress=False)
+    ref = qm.geodesic_sharpness(model, minilm_loss, data, **kw)
+    assert len(ref.blocks) == 12 and ref.fallbacks == []
+    for a in (1e-2, 1.0, 1e2):
+        new = qm.reparametrize(model, a, seed=0)
+        r = qm.geodesic_sharpness(new, minilm_loss, data, **kw)
+        assert abs(r.value / ref.value - 1) < 1e-6, (a, r.value, ref.value)
+
+
+def test_bad_inputs():
+    model, data = MHANet(), mha_data(n_batches=1)
+    for rho in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(qm.InvalidRadiusError, match="rho"):
+            qm.geodesic_sharpness(model, ce_loss, data, rho=rho, progress=False)
+    with pytest.raises(qm.EmptyDataError, match="non-empty"):
+        qm.geodesic_sharpness(model, ce_loss, [], rho=0.1, progress=False)
+    with pytest.raises(qm.EmptyDataError):
+        qm.adaptive_sharpness(model, ce_loss, iter(()), rho=0.1, progress=False)
+
+    def nan_on_second(m, b, calls={"n": 0}):  # noqa: B006
+        x, y = b
+        return ce_loss(m, b) * (float("nan") if x[0, 0, 0] == data2[1][0][0, 0, 0] else 1.0)
+
+    data2 = mha_data(n_batches=2)
+    with pytest.raises(qm.NonFiniteError, match="batch 1"):
+        qm.geodesic_sharpness(model, nan_on_second, data2, rho=0.1, n_iter=2, progress=False)
+    deficient = MHANet()
+    with torch.no_grad():
+        deficient.mha.in_proj_weight[8:10].zero_()  # key rows of head 0
+    with pytest.raises(qm.RankDeficientError, match=r"eps > 0.*attention\.qk at 'mha' head 0"):
+        qm.geodesic_sharpness(deficient, ce_loss, data, rho=0.1, progress=False)
+    with pytest.raises(qm.PrecisionError, match="allow_half"):
+        qm.geodesic_sharpness(MHANet().half(), ce_loss, data, rho=0.1, progress=False)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(20, 3))
+    with pytest.warns(qm.NoBlocksWarning):
+        r = qm.geodesic_sharpness(net, ce_loss, data, rho=0.1, n_iter=3, progress=False)
+    assert r.fallbacks[-1]["kind"] == "all"
+
+
+def test_half_precision_with_allow_half():
+    model = MHANet().to(torch.bfloat16)
+    data = [(x.to(torch.bfloat16), y) for x, y in mha_data(n_batches=1)]
+    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=3, allow_half=True,
+                              progress=False)
+    assert math.isfinite(r.value)
+
+
+def test_result_settings_and_variants():
+    model, data = MHANet(), mha_data(n_batches=2)
+    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=6, metric="mix",
+                              progress=False)
+    d = r.to_dict()
+    assert d["settings"]["metric"] == "mix" and d["settings"]["n_iter"] == 6
+    assert len(d["per_batch"]) == 2 and d["value"] == pytest.approx(sum(r.per_batch) / 2)
+    assert all(n <= 0.1 * (1 + 1e-9) for n in r.perturbation_norm)
+    assert r.perturbation_norm[0] > 0.05  # the maximiser sits near the boundary
+    assert [b["kind"] for b in d["blocks"]] == ["attention.qk", "attention.vo"]
+    for ret in ("exact", "first_order"):
+        assert qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=3, retraction=ret,
+                                     progress=False).value > 0
+    avg = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=4, kind="average",
+                                seed=0, progress=False)
+    assert abs(avg.value) < r.value
+    for kw in (dict(norm="linf"), dict(projection="metric"), dict(adaptive=False),
+               dict(kind="average", seed=1)):
+        out = qm.adaptive_sharpness(model, ce_loss, data, rho=0.05, n_iter=4, progress=False,
+                                    **kw)
+        assert math.isfinite(out.value)
+
+
+def test_geoopt_optimizer_and_tangent_ball():
+    model, data = MHANet(), mha_data(n_batches=1)
+    r = qm.geodesic_sharpness(
+        model, ce_loss, data, rho=0.1, n_iter=10, progress=False,
+        optimizer=lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.05),
+    )
+    assert r.value > 0 and r.perturbation_norm[0] <= 0.1 + 1e-9
+    M = qm.GLQuotient(5, 4, "inv")
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(3, 9, 2, generator=gen)
+    ball = qm.TangentBall(M, x0, radius=0.5)
+    xi = ball.retr(ball.origin().data, torch.randn(3, 9, 2, generator=gen) * 10)
+    assert float(ball.norm_at_base(xi)) == pytest.approx(0.5)
+    torch.testing.assert_close(M.proju(x0, xi), xi)
+    assert ball.check_point_on_manifold(xi)
+    small = ball.retr(xi * 0, 0.01 * xi)
+    torch.testing.assert_close(small, 0.01 * xi)  # inside the ball: only Π (idempotent)
+    with pytest.raises(qm.InvalidRadiusError):
+        qm.TangentBall(M, x0, 0.0)
+
+
+def test_ellipsoid_projection_is_euclidean_projection():
+    gen = torch.Generator().manual_seed(0)
+    c = torch.rand(50, generator=gen) + 0.1
+    y = torch.randn(50, generator=gen)
+    p = _ellipsoid_projection(y, c, 0.3)
+    assert abs(float((p / c).norm()) - 0.3) < 1e-5
+    # KKT: y − p is parallel to the ellipsoid normal p / c²
+    n = p / c**2
+    cos = float((y - p) @ n / ((y - p).norm() * n.norm()))
+    assert cos == pytest.approx(1.0, abs=1e-6)
