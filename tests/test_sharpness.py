@@ -215,7 +215,9 @@ def test_ellipsoid_projection_is_euclidean_projection():
     gen = torch.Generator().manual_seed(0)
     c = torch.rand(50, generator=gen) + 0.1
     y = torch.randn(50, generator=gen)
+    y[:10] = 0.0  # e.g. embedding rows of tokens not in the batch
     p = _ellipsoid_projection(y, c, 0.3)
+    assert torch.equal(p[:10], torch.zeros(10))
     assert abs(float((p / c).norm()) - 0.3) < 1e-5
     # KKT: y − p is parallel to the ellipsoid normal p / c²
     n = p / c**2

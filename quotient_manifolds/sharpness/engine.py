@@ -189,10 +189,13 @@ def _ellipsoid_projection(
     ``δ(λ) = y / (1 + 2λ/c²)``; bisect ``λ`` (start 0.1, upper bound 10,
     doubled while infeasible) until ``|‖δ ⊘ c‖ − ρ| < tol``.
     """
-    c2 = c * c
+    # Zero entries of y stay zero and do not enter the norm: bisect on the support only
+    # (the same λ iterates as the reference, at a fraction of the cost for embeddings).
+    support = y != 0
+    a, b = y[support] / c[support], 2 / (c[support] * c[support])
 
     def wnorm(lam: float) -> float:
-        return float((y / (1 + 2 * lam / c2) / c).norm())
+        return float((a / (1 + lam * b)).norm())
 
     if wnorm(0.0) <= rho:
         return y
@@ -210,7 +213,7 @@ def _ellipsoid_projection(
         lam = 0.5 * (lo + hi)
     if wnorm(lam) > rho:  # land inside when the tolerance is reached from outside
         lam = hi
-    return y / (1 + 2 * lam / c2)
+    return y / (1 + 2 * lam / (c * c))
 
 
 # -- driver -------------------------------------------------------------------------
