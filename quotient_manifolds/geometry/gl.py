@@ -7,8 +7,10 @@ all leading dimensions and never loops over blocks.  The thin manifold class
 in :mod:`quotient_manifolds.manifolds.gl_quotient` packs and unpacks them.
 
 Notation (spec §1.3): ``P = GᵀG + εI`` and ``Q = HᵀH + εI`` are the (relaxed)
-Gram matrices.  Gram matrices and all ``h×h`` algebra run in float64 whatever the
-input dtype; results come back in the dtype of the tangent inputs.
+Gram matrices.  Gram matrices, their factorisations and all ``h×h`` solves run
+in float64 whatever the input dtype; the large ``n×h`` products run in float32
+(float64 for float64 inputs), and results come back in the dtype of the tangent
+inputs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import NonFiniteError, RankDeficientError
-from .linalg import GRAM_DTYPE, eye_like, sym, transpose
+from .linalg import GRAM_DTYPE, compute_dtype, eye_like, sym, transpose
 
 __all__ = [
     "METRICS",
@@ -28,6 +30,7 @@ __all__ = [
     "sylvester_basis",
     "inner",
     "horizontal_residual",
+    "horizontal_residual_scale",
     "horizontal_lambda",
     "vertical",
     "project",
@@ -68,7 +71,10 @@ class SylvesterBasis(NamedTuple):
 def check_finite(*tensors: torch.Tensor, what: str = "input") -> None:
     """Raise :class:`NonFiniteError` if any tensor holds NaN or Inf."""
     for t in tensors:
-        if t is not None and not bool(torch.isfinite(t).all()):
+        if t is None or t.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(t.detach())  # one pass; NaN propagates into both
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
             raise NonFiniteError(
                 f"{what} contains NaN or Inf; check the point and tangent vectors "
                 "(e.g. a diverged optimizer step) before calling the manifold."
@@ -165,6 +171,12 @@ def _tr_inner(a: torch.Tensor, M: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     return ((a @ M) * b).sum((-2, -1))
 
 
+def _work(*tensors: torch.Tensor) -> tuple[torch.dtype, list[torch.Tensor]]:
+    """The dtype of the large ``n×h`` products (float32, or float64 for float64 inputs)."""
+    dt = compute_dtype(tensors[0].dtype)
+    return dt, [t.to(dt) for t in tensors]
+
+
 def inner(
     G: torch.Tensor,
     H: torch.Tensor,
@@ -182,13 +194,21 @@ def inner(
         ⟨η, ζ⟩^{inv} = Tr(P⁻¹ η_Gᵀ ζ_G + Q⁻¹ η_Hᵀ ζ_H), \qquad
         ⟨η, ζ⟩^{mix} = Tr(Q η_Gᵀ ζ_G + P η_Hᵀ ζ_H).
     """
-    out_dt, dt = uG.dtype, gr.P.dtype
-    uG, uH, vG, vH = (t.to(dt) for t in (uG, uH, vG, vH))
-    if metric == "inv":
-        out = _tr_inner(uG, gr.P_inv, vG) + _tr_inner(uH, gr.Q_inv, vH)
-    else:
-        out = _tr_inner(uG, gr.Q, vG) + _tr_inner(uH, gr.P, vH)
+    out_dt = uG.dtype
+    dt, (uG, uH, vG, vH) = _work(uG, uH, vG, vH)
+    MG, MH = (gr.P_inv, gr.Q_inv) if metric == "inv" else (gr.Q, gr.P)
+    out = _tr_inner(uG, MG.to(dt), vG) + _tr_inner(uH, MH.to(dt), vH)
     return out.to(out_dt)
+
+
+def _residual_terms(G, H, uG, uH, gr: Grams, metric: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # The two h×h terms whose difference is the horizontal residual, in float64.
+    dt, (G, H, uG, uH) = _work(G, H, uG, uH)
+    if metric == "inv":
+        HtuH, uGtG = (t.to(GRAM_DTYPE) for t in (transpose(H) @ uH, transpose(uG) @ G))
+        return gr.P @ HtuH, uGtG @ gr.Q
+    GtuG, uHtH = (t.to(GRAM_DTYPE) for t in (transpose(G) @ uG, transpose(uH) @ H))
+    return GtuG @ gr.Q, gr.P @ uHtH
 
 
 def horizontal_residual(
@@ -199,15 +219,25 @@ def horizontal_residual(
     gr: Grams,
     metric: str,
 ) -> torch.Tensor:
-    r"""The ``h×h`` matrix that vanishes exactly on horizontal vectors (spec §5.3.4).
+    r"""The ``h×h`` matrix (float64) that vanishes exactly on horizontal vectors (spec §5.3.4).
 
     inv: ``P Hᵀ ξ_H − ξ_Gᵀ G Q``;  mix: ``Gᵀ ξ_G Q − P ξ_Hᵀ H``.
     """
-    dt = gr.P.dtype
-    G, H, uG, uH = (t.to(dt) for t in (G, H, uG, uH))
-    if metric == "inv":
-        return gr.P @ (transpose(H) @ uH) - (transpose(uG) @ G) @ gr.Q
-    return (transpose(G) @ uG) @ gr.Q - gr.P @ (transpose(uH) @ H)
+    a, b = _residual_terms(G, H, uG, uH, gr, metric)
+    return a - b
+
+
+def horizontal_residual_scale(
+    G: torch.Tensor,
+    H: torch.Tensor,
+    uG: torch.Tensor,
+    uH: torch.Tensor,
+    gr: Grams,
+    metric: str,
+) -> torch.Tensor:
+    """Elementwise size of the two terms of the residual, for relative tolerances."""
+    a, b = _residual_terms(G, H, uG, uH, gr, metric)
+    return a.abs() + b.abs()
 
 
 def horizontal_lambda(
@@ -219,7 +249,7 @@ def horizontal_lambda(
     metric: str,
     basis: SylvesterBasis | None = None,
 ) -> torch.Tensor:
-    r"""``Λ`` such that ``(ξ_G + GΛ, ξ_H − HΛᵀ)`` is horizontal (spec §5.3.5).
+    r"""``Λ`` (``h×h``, float64) such that ``(ξ_G + GΛ, ξ_H − HΛᵀ)`` is horizontal (§5.3.5).
 
     mix (closed form): ``Λ = ½(ξ_Hᵀ H Q⁻¹ − P⁻¹ Gᵀ ξ_G)``.
 
@@ -229,10 +259,10 @@ def horizontal_lambda(
     ``ε > 0``) the equation of :func:`sylvester_basis` is solved instead, so the
     result is the exact projection for the relaxed metric.
     """
-    dt = gr.P.dtype
-    G, H, uG, uH = (t.to(dt) for t in (G, H, uG, uH))
     if metric == "mix" and not gr.eps:
-        return 0.5 * ((transpose(uH) @ H) @ gr.Q_inv - gr.P_inv @ (transpose(G) @ uG))
+        dt, (G, H, uG, uH) = _work(G, H, uG, uH)
+        uHtH, GtuG = (t.to(GRAM_DTYPE) for t in (transpose(uH) @ H, transpose(G) @ uG))
+        return 0.5 * (uHtH @ gr.Q_inv - gr.P_inv @ GtuG)
     if basis is None:
         basis = sylvester_basis(gr, metric)
     rhs = horizontal_residual(G, H, uG, uH, gr, metric)
@@ -240,7 +270,7 @@ def horizontal_lambda(
         rhs = -transpose(rhs)  # C = Hᵀ ξ_H P − Q ξ_Gᵀ G
     rhs_t = basis.S_inv @ rhs @ basis.T
     # A zero denominator means both factors are degenerate there: no vertical direction.
-    safe = basis.denom.abs() > torch.finfo(dt).tiny
+    safe = basis.denom.abs() > torch.finfo(GRAM_DTYPE).tiny
     omega_t = torch.where(safe, rhs_t / torch.where(safe, basis.denom, 1.0), 0.0)
     return transpose(basis.S @ omega_t @ basis.T_inv)
 
@@ -248,7 +278,7 @@ def horizontal_lambda(
 def vertical(
     G: torch.Tensor, H: torch.Tensor, lam: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The vertical vector ``(GΛ, −HΛᵀ)`` (spec §5.3.2)."""
+    r"""The vertical vector ``(GΛ, −HΛᵀ)`` (spec §5.3.2), in the dtype of ``G``."""
     lam = lam.to(G.dtype)
     return G @ lam, -(H @ transpose(lam))
 
@@ -267,10 +297,11 @@ def project(
     ``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` with ``Λ`` from :func:`horizontal_lambda`.
     Returned in the dtype of ``uG``.
     """
-    dt = gr.P.dtype
+    out_dt = uG.dtype
     lam = horizontal_lambda(G, H, uG, uH, gr, metric, basis)
-    vG, vH = vertical(G.to(dt), H.to(dt), lam)
-    return (uG.to(dt) + vG).to(uG.dtype), (uH.to(dt) + vH).to(uH.dtype)
+    dt, (G, H, uG, uH) = _work(G, H, uG, uH)
+    vG, vH = vertical(G, H, lam)
+    return (uG + vG).to(out_dt), (uH + vH).to(out_dt)
 
 
 def egrad2rgrad(
@@ -281,19 +312,20 @@ def egrad2rgrad(
     inv: ``(∇_G P, ∇_H Q)``; mix: ``(∇_G Q⁻¹, ∇_H P⁻¹)`` (spec §5.3.6).
     For a GL-invariant loss the result is already horizontal.
     """
-    out_dt, dt = gG.dtype, gr.P.dtype
-    gG, gH = gG.to(dt), gH.to(dt)
-    if metric == "inv":
-        rG, rH = gG @ gr.P, gH @ gr.Q
-    else:
-        rG, rH = gG @ gr.Q_inv, gH @ gr.P_inv
-    return rG.to(out_dt), rH.to(out_dt)
+    out_dt = gG.dtype
+    dt, (gG, gH) = _work(gG, gH)
+    MG, MH = (gr.P, gr.Q) if metric == "inv" else (gr.Q_inv, gr.P_inv)
+    return (gG @ MG.to(dt)).to(out_dt), (gH @ MH.to(dt)).to(out_dt)
 
 
 def _christoffel_inv_factor(
-    F: torch.Tensor, M_inv: torch.Tensor, u: torch.Tensor, v: torch.Tensor
+    F: torch.Tensor, M_inv: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None
 ) -> torch.Tensor:
     # Γ(ξ,η)_F = −½[ξ M⁻¹(ηᵀF + Fᵀη) + η M⁻¹(ξᵀF + Fᵀξ)] + ½ F M⁻¹(ξᵀη + ηᵀξ)
+    # (quadratic form, η = ξ: −ξ M⁻¹(ξᵀF + Fᵀξ) + F M⁻¹ ξᵀξ)
+    if v is None:
+        S = transpose(u) @ F
+        return F @ (M_inv @ (transpose(u) @ u)) - u @ (M_inv @ (S + transpose(S)))
     Ft = transpose(F)
     a = u @ (M_inv @ (transpose(v) @ F + Ft @ v))
     b = v @ (M_inv @ (transpose(u) @ F + Ft @ u))
@@ -306,11 +338,15 @@ def _christoffel_mix_factor(
     K: torch.Tensor,
     K_inv: torch.Tensor,
     uF: torch.Tensor,
-    vF: torch.Tensor,
+    vF: torch.Tensor | None,
     uK: torch.Tensor,
-    vK: torch.Tensor,
+    vK: torch.Tensor | None,
 ) -> torch.Tensor:
     # Γ(ξ,η)_G = ½[ξ_G(η_HᵀH + Hᵀη_H) + η_G(ξ_HᵀH + Hᵀξ_H)]Q⁻¹ − ½ G(ξ_Hᵀη_H + η_Hᵀξ_H)Q⁻¹
+    # (quadratic form: ξ_G(ξ_HᵀH + Hᵀξ_H)Q⁻¹ − G ξ_Hᵀξ_H Q⁻¹)
+    if vF is None:
+        S = transpose(uK) @ K
+        return (uF @ ((S + transpose(S)) @ K_inv)) - F @ ((transpose(uK) @ uK) @ K_inv)
     Kt = transpose(K)
     a = uF @ (transpose(vK) @ K + Kt @ vK)
     b = vF @ (transpose(uK) @ K + Kt @ uK)
@@ -323,14 +359,14 @@ def christoffel(
     H: torch.Tensor,
     uG: torch.Tensor,
     uH: torch.Tensor,
-    vG: torch.Tensor,
-    vH: torch.Tensor,
+    vG: torch.Tensor | None,
+    vH: torch.Tensor | None,
     gr: Grams,
     metric: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""The symmetric bilinear Christoffel form ``Γ_x(u, v)`` (spec §6.5).
 
-    With ``v = u`` this is the quadratic form of Eq. 11 (inv)
+    With ``v = None`` this is the quadratic form ``Γ_x(u, u)`` of Eq. 11 (inv)
 
     .. math::
 
@@ -343,15 +379,18 @@ def christoffel(
         Γ_G = ξ_G(ξ_Hᵀ H + Hᵀ ξ_H)Q⁻¹ − G ξ_Hᵀ ξ_H Q⁻¹,\quad
         Γ_H = ξ_H(ξ_Gᵀ G + Gᵀ ξ_G)P⁻¹ − H ξ_Gᵀ ξ_G P⁻¹,
 
-    including the ``H`` part that the paper omits.  The geodesic equation is
-    ``γ̈ = −Γ_γ(γ̇, γ̇)``.
+    including the ``H`` part that the paper omits, computed with 4 instead of 6
+    ``n×h×h`` products per factor.  The geodesic equation is ``γ̈ = −Γ_γ(γ̇, γ̇)``.
     """
-    out_dt, dt = uG.dtype, gr.P.dtype
-    G, H, uG, uH, vG, vH = (t.to(dt) for t in (G, H, uG, uH, vG, vH))
+    out_dt = uG.dtype
+    pair = vG is not None
+    dt, (G, H, uG, uH) = _work(G, H, uG, uH)
+    if pair:
+        vG, vH = vG.to(dt), vH.to(dt)
     if metric == "inv":
-        cG = _christoffel_inv_factor(G, gr.P_inv, uG, vG)
-        cH = _christoffel_inv_factor(H, gr.Q_inv, uH, vH)
+        cG = _christoffel_inv_factor(G, gr.P_inv.to(dt), uG, vG)
+        cH = _christoffel_inv_factor(H, gr.Q_inv.to(dt), uH, vH)
     else:
-        cG = _christoffel_mix_factor(G, H, gr.Q_inv, uG, vG, uH, vH)
-        cH = _christoffel_mix_factor(H, G, gr.P_inv, uH, vH, uG, vG)
+        cG = _christoffel_mix_factor(G, H, gr.Q_inv.to(dt), uG, vG, uH, vH)
+        cH = _christoffel_mix_factor(H, G, gr.P_inv.to(dt), uH, vH, uG, vG)
     return cG.to(out_dt), cH.to(out_dt)

@@ -159,10 +159,7 @@ class GLQuotient(QuotientManifold):
         uG, uH = self.split(u)
         gr = gl.grams(G, H, self.eps)
         res = gl.horizontal_residual(G, H, uG, uH, gr, self.metric)
-        dt = gr.P.dtype
-        scale = (gr.P @ transpose(H.to(dt)) @ uH.to(dt)).abs() + (
-            (transpose(uG.to(dt)) @ G.to(dt)) @ gr.Q
-        ).abs()
+        scale = gl.horizontal_residual_scale(G, H, uG, uH, gr, self.metric)
         if not bool((res.abs() <= atol + rtol * scale).all()):
             return False, (
                 f"vector is not horizontal: the {self.metric} horizontal condition "
@@ -217,7 +214,7 @@ class GLQuotient(QuotientManifold):
         r"""``Γ_x(u, v)`` (Eq. 11/12, polarised); ``Γ_x(u, u)`` if ``v`` is omitted."""
         G, H, gr = self._prepare(x, u, v)
         uG, uH = self.split(u)
-        vG, vH = (uG, uH) if v is None else self.split(v)
+        vG, vH = (None, None) if v is None else self.split(v)
         cG, cH = gl.christoffel(G, H, uG, uH, vG, vH, gr, self.metric)
         return self._join(cG, cH, u.dtype)
 
@@ -225,7 +222,7 @@ class GLQuotient(QuotientManifold):
         G, H = self.split(x)
         uG, uH = self.split(u)
         gr = gl.grams(G, H, self.eps)
-        cG, cH = gl.christoffel(G, H, uG, uH, uG, uH, gr, self.metric)
+        cG, cH = gl.christoffel(G, H, uG, uH, None, None, gr, self.metric)
         return -self._join(cG, cH, x.dtype)
 
     def _geodesic(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -328,7 +328,7 @@ class ModelGeometry:
                 out.append(g.x0 + a)
             elif self.retraction == "second_order":
                 aG, aH = a[:, : g.n], a[:, g.n :]
-                cG, cH = gl.christoffel(g.G, g.H, aG, aH, aG, aH, g.grams, self.metric)
+                cG, cH = gl.christoffel(g.G, g.H, aG, aH, None, None, g.grams, self.metric)
                 out.append(g.x0 + a - 0.5 * torch.cat([cG, cH], dim=-2))
             else:
                 out.append(g.manifold.expmap(g.x0, a))
