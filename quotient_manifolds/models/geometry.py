@@ -348,19 +348,20 @@ class ModelGeometry:
         ``points``; the model's own parameters are never read or written.
         """
         new = dict(self.base)
-        flat = points[-1]
-        for e in self.entries:
+        # One split per tensor, not one slice per parameter: the backward of a split is a
+        # single concatenation, while every slice's backward materialises a zero tensor the
+        # size of the whole flat vector (quadratic in the number of parameters).
+        pieces = torch.split(points[-1], [e.stop - e.start for e in self.entries])
+        for e, piece in zip(self.entries, pieces, strict=True):
             base = self.base[e.name]
-            piece = flat[e.start : e.stop].to(base.dtype)
+            piece = piece.to(base.dtype)
             if e.index is None:
                 new[e.name] = piece.view(base.shape)
             else:
                 new[e.name] = base.reshape(-1).index_copy(0, e.index, piece).view(base.shape)
         for g, x in zip(self.groups, points, strict=False):
-            row = 0
-            for b in g.blocks:
-                scatter_block(b, x[row : row + b.heads], new)
-                row += b.heads
+            for b, rows in zip(g.blocks, torch.split(x, [b.heads for b in g.blocks]), strict=True):
+                scatter_block(b, rows, new)
         return new
 
     def perturbed_params(self, u: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
