@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP_QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install demo test test-slow lint bench clean examples
+.PHONY: install demo test test-slow lint bench bench-smoke clean examples
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -28,10 +28,17 @@ test-slow: install
 	$(PY) -m pytest -n 2 -q -m slow
 
 bench: install
-	$(PY) benchmarks/manifold_ops.py
+	mkdir -p runs
+	$(PY) benchmarks/manifold_ops.py --json runs/manifold_ops.json
+	$(PY) benchmarks/exact_geodesic.py --json runs/exact_geodesic.json
+	$(PY) benchmarks/sharpness_cost.py --iters 5 --json runs/sharpness_cost.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 examples: install
 	for f in examples/*.py; do echo "== $$f"; $(PY) $$f --small; done
+
+bench-smoke: install
+	$(PY) benchmarks/manifold_ops.py --layers 1 --repeats 1
+	$(PY) benchmarks/exact_geodesic.py --quick

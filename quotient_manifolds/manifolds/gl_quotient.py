@@ -45,7 +45,7 @@ class GLQuotient(QuotientManifold):
         ``x + u − ½Γ_x(u, u)`` (Eq. 5) or the geodesic integrated by RK4.
     steps : int
         RK4 steps of the exact geodesic (:meth:`expmap`).  The error is
-        ``O((‖u‖/steps)⁴)``; see ``docs/manifolds.md`` for measured values.
+        ``O((‖u‖/steps)⁴)``; see ``docs/benchmarks.md`` for measured values.
     validate : bool
         Check shapes and finiteness of inputs (one host sync per call).
 
