@@ -2,9 +2,8 @@ r"""The elementwise "adaptive" geometry used for every weight outside a GL block
 
 from __future__ import annotations
 
-import geoopt
 import torch
-from geoopt.utils import broadcast_shapes, size2shape
+from geoopt.utils import broadcast_shapes
 
 from ..errors import ShapeError, ZeroWeightError
 from ..geometry import adaptive as am
@@ -156,27 +155,3 @@ class AdaptiveEuclidean(QuotientManifold):
     def invariant(self, x: torch.Tensor) -> torch.Tensor:
         """The weights themselves."""
         return x
-
-    # -- sampling -------------------------------------------------------------
-    def random(
-        self,
-        *size: int | tuple[int],
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-    ) -> geoopt.ManifoldTensor:
-        """Standard Gaussian weights (nonzero almost surely)."""
-        shape = size2shape(*size)
-        self._assert_check_shape(shape, "x")
-        return geoopt.ManifoldTensor(torch.randn(shape, dtype=dtype, device=device), manifold=self)
-
-    def origin(
-        self,
-        *size: int | tuple[int],
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-        seed: int | None = 42,
-    ) -> geoopt.ManifoldTensor:
-        """All-ones weights."""
-        shape = size2shape(*size)
-        self._assert_check_shape(shape, "x")
-        return geoopt.ManifoldTensor(torch.ones(shape, dtype=dtype, device=device), manifold=self)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import geoopt
 import torch
+from geoopt.utils import size2shape
 
 from ..errors import NonFiniteError, ShapeError
 from ..geometry.gl import check_finite
@@ -107,3 +108,32 @@ class QuotientManifold(geoopt.manifolds.Manifold):
 
     def extra_repr(self) -> str:
         return f"retraction={self.retraction!r}"
+
+    # -- sampling -------------------------------------------------------------
+    def _random_tensor(self, shape, dtype, device) -> torch.Tensor:
+        """Standard Gaussian entries (nonzero almost surely)."""
+        return torch.randn(shape, dtype=dtype, device=device)
+
+    def _origin_tensor(self, shape, dtype, device) -> torch.Tensor:
+        """All ones."""
+        return torch.ones(shape, dtype=dtype, device=device)
+
+    def random(
+        self, *size: int | tuple[int], dtype: torch.dtype | None = None, device=None
+    ) -> geoopt.ManifoldTensor:
+        """A random point of shape ``size`` (see ``_random_tensor`` of each manifold)."""
+        shape = size2shape(*size)
+        self._assert_check_shape(shape, "x")
+        return geoopt.ManifoldTensor(self._random_tensor(shape, dtype, device), manifold=self)
+
+    def origin(
+        self,
+        *size: int | tuple[int],
+        dtype: torch.dtype | None = None,
+        device=None,
+        seed: int | None = 42,
+    ) -> geoopt.ManifoldTensor:
+        """A deterministic point of shape ``size`` (see ``_origin_tensor``); ``seed`` is unused."""
+        shape = size2shape(*size)
+        self._assert_check_shape(shape, "x")
+        return geoopt.ManifoldTensor(self._origin_tensor(shape, dtype, device), manifold=self)

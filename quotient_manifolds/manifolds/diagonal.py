@@ -2,9 +2,7 @@ r"""Diagonal networks ``β = u ⊙ v`` modulo the re-scaling group GL(1)^d."""
 
 from __future__ import annotations
 
-import geoopt
 import torch
-from geoopt.utils import size2shape
 
 from ..errors import RankDeficientError, ShapeError
 from ..geometry import diagonal as dm
@@ -178,31 +176,3 @@ class DiagonalQuotient(QuotientManifold):
         """``β = u ⊙ v``."""
         a, c = self.split(x)
         return a * c
-
-    # -- sampling -------------------------------------------------------------
-    def random(
-        self,
-        *size: int | tuple[int],
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-    ) -> geoopt.ManifoldTensor:
-        """Standard Gaussian ``u`` and ``v`` (nonzero almost surely)."""
-        shape = size2shape(*size)
-        self._assert_check_shape(shape, "x")
-        return geoopt.ManifoldTensor(
-            torch.randn(shape, dtype=dtype, device=device), manifold=self
-        )
-
-    def origin(
-        self,
-        *size: int | tuple[int],
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-        seed: int | None = 42,
-    ) -> geoopt.ManifoldTensor:
-        """``u = v = 1``."""
-        shape = size2shape(*size)
-        self._assert_check_shape(shape, "x")
-        return geoopt.ManifoldTensor(
-            torch.ones(shape, dtype=dtype, device=device), manifold=self
-        )

@@ -2,9 +2,7 @@ r"""GL(h) quotient of factor pairs ``(G, H)`` that act only through ``G Hᵀ``."
 
 from __future__ import annotations
 
-import geoopt
 import torch
-from geoopt.utils import size2shape
 
 from ..errors import RankDeficientError, ShapeError
 from ..geometry import gl
@@ -251,32 +249,16 @@ class GLQuotient(QuotientManifold):
         return G @ transpose(H)
 
     # -- sampling -------------------------------------------------------------
-    def random(
-        self,
-        *size: int | tuple[int],
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-    ) -> geoopt.ManifoldTensor:
+    def _random_tensor(self, shape, dtype, device) -> torch.Tensor:
         """Gaussian factors with entries ``N(0, 1/h)`` (full rank almost surely)."""
-        shape = size2shape(*size)
-        self._assert_check_shape(shape, "x")
-        x = torch.randn(shape, dtype=dtype, device=device) / shape[-1] ** 0.5
-        return geoopt.ManifoldTensor(x, manifold=self)
+        return torch.randn(shape, dtype=dtype, device=device) / shape[-1] ** 0.5
 
-    def origin(
-        self,
-        *size: int | tuple[int],
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-        seed: int | None = 42,
-    ) -> geoopt.ManifoldTensor:
-        """``G = I_{n×h}``, ``H = I_{m×h}`` (truncated identities), broadcast to ``size``."""
-        shape = size2shape(*size)
-        self._assert_check_shape(shape, "x")
+    def _origin_tensor(self, shape, dtype, device) -> torch.Tensor:
+        """``G = I_{n×h}``, ``H = I_{m×h}`` (truncated identities), broadcast to ``shape``."""
         h = shape[-1]
         eye = torch.cat(
             [torch.eye(self.n, h, dtype=dtype, device=device),
              torch.eye(self.m, h, dtype=dtype, device=device)],
             dim=0,
         )
-        return geoopt.ManifoldTensor(eye.expand(shape).clone(), manifold=self)
+        return eye.expand(shape).clone()
