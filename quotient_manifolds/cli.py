@@ -20,12 +20,6 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if text.endswith("all facts hold") else 1
 
 
-def _verify(args: argparse.Namespace) -> int:
-    from .symbolic import main as symbolic_main
-
-    return symbolic_main(args.rest)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quotient-manifolds", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,9 +29,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--h", type=int, default=2)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
-    verify = sub.add_parser("verify", help="symbolic checks of the formulas (SymPy)")
-    verify.add_argument("rest", nargs=argparse.REMAINDER, help="e.g. --quick")
-    verify.set_defaults(func=_verify)
     args = parser.parse_args(argv)
     return args.func(args)
 
