@@ -20,6 +20,12 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if text.endswith("all facts hold") else 1
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from .symbolic import main as verify_main
+
+    return verify_main(args.rest)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quotient-manifolds", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,7 +35,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--h", type=int, default=2)
     demo.add_argument("--seed", type=int, default=0)
     demo.set_defaults(func=_demo)
-    args = parser.parse_args(argv)
+    verify = sub.add_parser(
+        "verify",
+        help="prove the closed forms from the metrics with SymPy (options: --quick, --list, -k, "
+        "--markdown, --latex)",
+        add_help=False,
+    )
+    verify.set_defaults(func=_verify)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "verify":
+        args.rest = rest  # options belong to ``python -m quotient_manifolds.symbolic``
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

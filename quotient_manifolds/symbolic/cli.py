@@ -1,0 +1,385 @@
+r"""``python -m quotient_manifolds.symbolic``: run the symbolic verification suite.
+
+Prints one table row per check (check, subject, sizes, symbolic or numeric,
+result, seconds) as the checks finish, and exits non-zero if any fails.
+
+Options
+-------
+``--quick``
+    The fast subset (well under a minute on one core); the default test suite
+    runs the same subset.
+``-k PATTERN``
+    Only rows whose ``check subject sizes`` text contains ``PATTERN``.
+``--list``
+    List the checks without running them.
+``--markdown``
+    Print the table as Markdown (for ``docs/derivations.md``).
+``--latex``
+    Print the derivations (SymPy-rendered LaTeX, Markdown) instead of checking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TextIO
+
+import sympy as sp
+
+from .bridge import (
+    christoffel_bridge,
+    geodesic_bridge_adaptive,
+    geodesic_bridge_diagonal,
+    projection_bridge,
+    transcription_bridge,
+)
+from .checks import (
+    CheckResult,
+    check_christoffel_adaptive,
+    check_christoffel_diagonal,
+    check_christoffel_gl,
+    check_christoffel_scalar_toy,
+    check_geodesic_adaptive,
+    check_geodesic_diagonal,
+    check_geodesic_diagonal_general_inv,
+    check_invariance_diagonal,
+    check_invariance_gl,
+    check_projection_diagonal,
+    check_projection_gl,
+    check_retraction_diagonal,
+    check_rgrad_diagonal,
+    check_rgrad_gl,
+    check_vertical_diagonal,
+    check_vertical_gl,
+)
+from .models import scalar_toy
+
+__all__ = ["Entry", "SUITE", "select", "run_suite", "format_table", "main"]
+
+EPS = sp.Symbol("epsilon", positive=True)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered check: a label for listing, a thunk, and the quick flag."""
+
+    label: str
+    run: Callable[[], CheckResult]
+    quick: bool
+
+
+def _suite() -> list[Entry]:
+    E = Entry
+    out: list[Entry] = [
+        E("christoffel scalar toy inv GL(1)", check_christoffel_scalar_toy, True),
+        E("christoffel adaptive ε d=1", check_christoffel_adaptive, True),
+    ]
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"christoffel diagonal {metric} d=2",
+                lambda m=metric: check_christoffel_diagonal(2, m),
+                True,
+            )
+        )
+    for (n, m, h), quick in (((2, 2, 1), True), ((3, 2, 2), True), ((4, 3, 2), False)):
+        for metric in ("inv", "mix"):
+            out.append(
+                E(
+                    f"christoffel GL {metric} n={n},m={m},h={h}",
+                    lambda a=(n, m, h, metric): check_christoffel_gl(*a),
+                    quick,
+                )
+            )
+    for (n, m, h), quick in (((2, 2, 1), True), ((3, 2, 2), False)):
+        for metric in ("inv", "mix"):
+            out.append(
+                E(
+                    f"christoffel GL {metric} n={n},m={m},h={h},ε",
+                    lambda a=(n, m, h, metric): check_christoffel_gl(*a, eps=EPS),
+                    quick,
+                )
+            )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"sympy=torch GL {metric} kernels n=3,m=2,h=2",
+                lambda m=metric: transcription_bridge("gl", m),
+                True,
+            )
+        )
+        out.append(
+            E(
+                f"sympy=torch diagonal {metric} kernels d=2",
+                lambda m=metric: transcription_bridge("diagonal", m),
+                True,
+            )
+        )
+    for (n, m, h), quick in (((6, 5, 3), True), ((8, 6, 4), False)):
+        for metric in ("inv", "mix"):
+            out.append(
+                E(
+                    f"christoffel GL {metric} (bridge) n={n},m={m},h={h}",
+                    lambda a=(n, m, h, metric): christoffel_bridge(*a),
+                    quick,
+                )
+            )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"christoffel GL {metric} (bridge) n=6,m=5,h=3,eps=0.1",
+                lambda m=metric: christoffel_bridge(6, 5, 3, m, eps=0.1),
+                False,
+            )
+        )
+    # geodesics
+    out.append(
+        E("geodesic scalar toy inv d=1", lambda: check_geodesic_diagonal(scalar_toy(), "inv"), True)
+    )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"geodesic diagonal {metric} d=2",
+                lambda m=metric: check_geodesic_diagonal(None, m),
+                True,
+            )
+        )
+    out.append(E("geodesic diagonal inv, any ξ d=2", check_geodesic_diagonal_general_inv, True))
+    out.append(E("geodesic adaptive ε d=1", check_geodesic_adaptive, True))
+    for eps in (0.0, 0.1):
+        out.append(
+            E(
+                f"geodesic adaptive (bridge) eps={eps:g}",
+                lambda e=eps: geodesic_bridge_adaptive(e),
+                True,
+            )
+        )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"geodesic diagonal {metric} expmap (bridge) d=2",
+                lambda m=metric: geodesic_bridge_diagonal(m),
+                True,
+            )
+        )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"retraction diagonal {metric} d=2",
+                lambda m=metric: check_retraction_diagonal(2, m),
+                True,
+            )
+        )
+    # invariance
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"invariance diagonal {metric} d=2",
+                lambda m=metric: check_invariance_diagonal(2, m),
+                True,
+            )
+        )
+    for (n, m, h), quick in (((2, 2, 1), True), ((2, 2, 2), True), ((3, 2, 2), False)):
+        for metric in ("inv", "mix"):
+            out.append(
+                E(
+                    f"invariance GL {metric} n={n},m={m},h={h}",
+                    lambda a=(n, m, h, metric): check_invariance_gl(*a),
+                    quick,
+                )
+            )
+    # vertical / horizontal spaces
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"vertical+horizontal diagonal {metric} d=2",
+                lambda m=metric: check_vertical_diagonal(2, m),
+                True,
+            )
+        )
+    for (n, m, h), quick in (((2, 2, 1), True), ((2, 2, 2), True), ((3, 2, 2), False)):
+        for metric in ("inv", "mix"):
+            out.append(
+                E(
+                    f"vertical+horizontal GL {metric} n={n},m={m},h={h}",
+                    lambda a=(n, m, h, metric): check_vertical_gl(*a),
+                    quick,
+                )
+            )
+    # projections
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"projection diagonal {metric} d=2",
+                lambda m=metric: check_projection_diagonal(2, m),
+                True,
+            )
+        )
+    for (n, m, h), metric, mode, quick in (
+        ((2, 2, 1), "inv", "auto", True),
+        ((2, 2, 1), "mix", "auto", True),
+        ((2, 2, 2), "inv", "auto", True),
+        ((2, 2, 2), "mix", "factored", True),
+        ((2, 2, 2), "mix", "direct", False),
+        ((3, 2, 2), "inv", "auto", False),
+        ((3, 2, 2), "mix", "auto", False),
+    ):
+        out.append(
+            E(
+                f"projection GL {metric} n={n},m={m},h={h} ({mode})",
+                lambda a=(n, m, h, metric), md=mode: check_projection_gl(*a, mode=md),
+                quick,
+            )
+        )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"projection GL {metric} n=2,m=2,h=1,ε",
+                lambda m=metric: check_projection_gl(2, 2, 1, m, eps=EPS),
+                True,
+            )
+        )
+    for (n, m, h, eps), quick in (
+        ((3, 2, 2, 0.0), True),
+        ((3, 2, 2, 0.1), True),
+        ((6, 5, 3, 0.0), False),
+        ((6, 5, 3, 0.1), False),
+    ):
+        for metric in ("inv", "mix"):
+            tag = f",eps={eps:g}" if eps else ""
+            out.append(
+                E(
+                    f"projection GL {metric} (bridge) n={n},m={m},h={h}{tag}",
+                    lambda a=(n, m, h, metric, eps): projection_bridge(*a),
+                    quick,
+                )
+            )
+    # Riemannian gradients
+    for metric in ("inv", "mix"):
+        out.append(
+            E(f"rgrad diagonal {metric} d=2", lambda m=metric: check_rgrad_diagonal(2, m), True)
+        )
+    for (n, m, h), metrics, quick in (
+        ((2, 2, 1), ("inv", "mix"), True),
+        ((2, 2, 2), ("inv",), True),
+        ((2, 2, 2), ("mix",), False),
+        ((3, 2, 2), ("inv", "mix"), False),
+    ):
+        for metric in metrics:
+            out.append(
+                E(
+                    f"rgrad GL {metric} n={n},m={m},h={h}",
+                    lambda a=(n, m, h, metric): check_rgrad_gl(*a),
+                    quick,
+                )
+            )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"rgrad GL {metric} n=2,m=2,h=1,ε",
+                lambda m=metric: check_rgrad_gl(2, 2, 1, m, eps=EPS),
+                True,
+            )
+        )
+    return out
+
+
+SUITE: list[Entry] = _suite()
+
+
+def select(quick: bool = False, pattern: str | None = None) -> list[Entry]:
+    """The registered checks, optionally only the quick ones and/or matching ``pattern``."""
+    return [
+        e
+        for e in SUITE
+        if (e.quick or not quick) and (pattern is None or pattern.lower() in e.label.lower())
+    ]
+
+
+HEADER = ("check", "subject", "sizes", "mode", "result", "seconds")
+
+
+def _row(r: CheckResult) -> tuple[str, ...]:
+    return (r.check, r.subject, r.sizes, r.mode, "PASS" if r.passed else "FAIL", f"{r.seconds:.2f}")
+
+
+_WIDTHS = (20, 34, 24, 9, 6, 8)
+
+
+def _fmt(cells: Sequence[str]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, _WIDTHS)).rstrip()
+
+
+def format_table(results: Sequence[CheckResult], markdown: bool = False) -> str:
+    """The result table as plain text or Markdown (failure details appended)."""
+    if markdown:
+        lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        lines += ["| " + " | ".join(_row(r)) + " |" for r in results]
+    else:
+        lines = [_fmt(HEADER), _fmt(["-" * (w - 1) for w in _WIDTHS])]
+        lines += [_fmt(_row(r)) for r in results]
+    for r in results:
+        if not r.passed:
+            lines.append(f"FAIL {r.check} {r.subject} {r.sizes}: {r.detail}")
+    return "\n".join(lines)
+
+
+def run_suite(
+    entries: Sequence[Entry], stream: TextIO | None = None, markdown: bool = False
+) -> list[CheckResult]:
+    """Run ``entries`` in order, printing each row to ``stream`` as it finishes."""
+    results = []
+    if stream is not None and not markdown:
+        print(_fmt(HEADER), file=stream)
+        print(_fmt(["-" * (w - 1) for w in _WIDTHS]), file=stream, flush=True)
+    for e in entries:
+        r = e.run()
+        results.append(r)
+        if stream is not None and not markdown:
+            print(_fmt(_row(r)), file=stream, flush=True)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status (0: every check passed)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m quotient_manifolds.symbolic",
+        description="Symbolic (SymPy) verification of the quotient-geometry formulas.",
+    )
+    parser.add_argument("--quick", action="store_true", help="run the fast subset only")
+    parser.add_argument("-k", dest="pattern", default=None, help="only checks matching PATTERN")
+    parser.add_argument("--list", action="store_true", help="list the checks and exit")
+    parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    parser.add_argument("--latex", action="store_true", help="print the derivations (Markdown)")
+    args = parser.parse_args(None if argv is None else list(argv))
+
+    import torch
+
+    torch.set_num_threads(1)
+    if args.latex:
+        from .latex import derivations_markdown
+
+        print(derivations_markdown())
+        return 0
+    entries = select(args.quick, args.pattern)
+    if args.list:
+        for e in entries:
+            print(("quick  " if e.quick else "full   ") + e.label)
+        return 0
+    if not entries:
+        print("no check matches", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    results = run_suite(entries, sys.stdout, args.markdown)
+    failed = [r for r in results if not r.passed]
+    if args.markdown:
+        print(format_table(results, markdown=True))
+    else:
+        for r in failed:
+            print(f"FAIL {r.check} {r.subject} {r.sizes}: {r.detail}")
+    total = time.perf_counter() - t0
+    print(f"\n{len(results) - len(failed)}/{len(results)} passed in {total:.1f} s")
+    return 1 if failed else 0
