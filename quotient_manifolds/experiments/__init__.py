@@ -1,0 +1,19 @@
+"""Reproductions of the paper's experiments and transformer populations (issue 5).
+
+Top layer: imports :mod:`quotient_manifolds.sharpness` and below, never the reverse.
+"""
+
+from .report import scatter_figure, summarize, tau_table
+from .stats import granulated_tau, kendall_tau
+from .store import PopulationStore, atomic_write_text, protocol_hash
+
+__all__ = [
+    "PopulationStore",
+    "atomic_write_text",
+    "granulated_tau",
+    "kendall_tau",
+    "protocol_hash",
+    "scatter_figure",
+    "summarize",
+    "tau_table",
+]

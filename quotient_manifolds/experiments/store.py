@@ -1,0 +1,123 @@
+r"""On-disk cache of a trained population and its measures, safe to interrupt.
+
+Layout under ``DIR/<experiment>/``::
+
+    members/<id>.safetensors   trained weights
+    members/<id>.json          hyperparameters, train/test metrics, gap
+    measures/<id>.json         sharpness values of the member, keyed by the protocol hash
+    results.json               the summary (:func:`quotient_manifolds.experiments.report`)
+
+Every file is written to a temporary name in the same folder and moved into place with
+:func:`os.replace`, so a crash or Ctrl-C never leaves a half-written file, and a re-run
+skips every member (and every measure) that is already on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+__all__ = ["PopulationStore", "atomic_write_text", "protocol_hash"]
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (temporary file + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def protocol_hash(settings: Mapping) -> str:
+    """A short stable hash of a JSON-serialisable protocol description."""
+    blob = json.dumps(settings, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+class PopulationStore:
+    """Cache of one experiment's members under ``root/name``.
+
+    Parameters
+    ----------
+    root : path
+        The output folder (``--out DIR``).
+    name : str
+        The experiment name (``diagonal``, ``grokking``, …).
+    """
+
+    def __init__(self, root: str | os.PathLike, name: str) -> None:
+        self.dir = Path(root) / name
+        self.members_dir = self.dir / "members"
+        self.measures_dir = self.dir / "measures"
+        self.members_dir.mkdir(parents=True, exist_ok=True)
+        self.measures_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- members -------------------------------------------------------------------
+    def has_member(self, member_id: str) -> bool:
+        """Whether the weights and metadata of ``member_id`` are both on disk."""
+        return ((self.members_dir / f"{member_id}.json").exists()
+                and (self.members_dir / f"{member_id}.safetensors").exists())
+
+    def save_member(self, member_id: str, state: Mapping[str, torch.Tensor], meta: Mapping) -> None:
+        """Store weights (safetensors) first, then the metadata that marks the member done."""
+        from safetensors.torch import save_file
+
+        target = self.members_dir / f"{member_id}.safetensors"
+        fd, tmp = tempfile.mkstemp(dir=self.members_dir, prefix=f".{member_id}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        atomic_write_text(self.members_dir / f"{member_id}.json",
+                          json.dumps(dict(meta), indent=1, sort_keys=True, default=float))
+
+    def load_member(self, member_id: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """The weights and metadata of ``member_id``."""
+        from safetensors.torch import load_file
+
+        meta = json.loads((self.members_dir / f"{member_id}.json").read_text())
+        return load_file(str(self.members_dir / f"{member_id}.safetensors")), meta
+
+    def load_meta(self, member_id: str) -> dict:
+        """Only the metadata of ``member_id``."""
+        return json.loads((self.members_dir / f"{member_id}.json").read_text())
+
+    # -- measures ------------------------------------------------------------------
+    def load_measures(self, member_id: str, protocol: str) -> dict:
+        """Measures of ``member_id`` computed under ``protocol`` (empty if none)."""
+        p = self.measures_dir / f"{member_id}.json"
+        if not p.exists():
+            return {}
+        blob = json.loads(p.read_text())
+        return blob["values"] if blob.get("protocol") == protocol else {}
+
+    def save_measures(self, member_id: str, protocol: str, values: Mapping) -> None:
+        """Store (overwrite) the measures of ``member_id`` under ``protocol``."""
+        atomic_write_text(self.measures_dir / f"{member_id}.json",
+                          json.dumps({"protocol": protocol, "values": dict(values)}, indent=1,
+                                     sort_keys=True, default=float))
+
+    def write_json(self, name: str, blob: Mapping) -> Path:
+        """Write ``DIR/<experiment>/<name>`` atomically and return its path."""
+        p = self.dir / name
+        atomic_write_text(p, json.dumps(blob, indent=1, default=float))
+        return p
