@@ -223,3 +223,35 @@ def test_ellipsoid_projection_is_euclidean_projection():
     n = p / c**2
     cos = float((y - p) @ n / ((y - p).norm() * n.norm()))
     assert cos == pytest.approx(1.0, abs=1e-6)
+
+
+def test_ball_norm_adaptive_ablation():
+    """App. G ablation (a): ball in ‖ξ ⊘ |w|‖ for every entry, ξ still horizontal."""
+    model, data = MHANet(), mha_data(n_batches=1)
+    kw = dict(rho=0.05, n_iter=6, progress=False)
+    with pytest.raises(qm.ZeroWeightError, match="adaptive_eps"):  # untrained zero biases
+        qm.geodesic_sharpness(model, ce_loss, data, ball_norm="adaptive", **kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name:
+                p.normal_(0, 0.1)
+    # Without GL blocks the two norms coincide, so the results must be identical.
+    a = qm.geodesic_sharpness(model, ce_loss, data, blocks=[], **kw)
+    b = qm.geodesic_sharpness(model, ce_loss, data, blocks=[], ball_norm="adaptive", **kw)
+    assert a.per_batch == b.per_batch
+    r = qm.geodesic_sharpness(model, ce_loss, data, ball_norm="adaptive", **kw)
+    m = qm.geodesic_sharpness(model, ce_loss, data, **kw)
+    assert r.settings["ball_norm"] == "adaptive" and r.value != m.value
+    assert r.norms[0]["total"] <= 0.05 * (1 + 1e-9) and r.norms[0]["blocks"] > 0
+    # the ball norm really is the elementwise one: check it on a random horizontal vector
+    geo = qm.ModelGeometry(model, "inv", ball_norm="adaptive")
+    xi = geo.proj([torch.randn_like(x) for x in geo.base_points])
+    expected = sum(((t / x0) ** 2).sum() for t, x0 in zip(xi[:-1], geo.base_points[:-1]))
+    expected = expected + (xi[-1] ** 2 / geo.c2).sum()
+    assert float(geo.ball_norm_of(xi)) == pytest.approx(float(expected.sqrt()), rel=1e-12)
+    scaled = geo.scale_to_ball(xi, 0.01)
+    assert float(geo.ball_norm_of(scaled)) == pytest.approx(0.01, rel=1e-12)
+    with pytest.raises(ValueError, match="worst"):
+        qm.geodesic_sharpness(model, ce_loss, data, ball_norm="adaptive", kind="average", **kw)
+    with pytest.raises(ValueError, match="ball_norm"):
+        qm.ModelGeometry(model, "inv", ball_norm="l2")

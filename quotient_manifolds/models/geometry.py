@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import BlockSpecError, PrecisionError, RankDeficientError
+from ..errors import BlockSpecError, PrecisionError, RankDeficientError, ZeroWeightError
 from ..geometry import adaptive as am
 from ..geometry import gl
 from ..geometry.linalg import transpose
@@ -59,6 +59,7 @@ class BlockGroup:
     grams: gl.Grams
     basis: gl.SylvesterBasis | None = None
     chol: dict = field(default_factory=dict)
+    c2: torch.Tensor | None = None  # w² + ε of the block entries (ball_norm="adaptive")
 
     @property
     def G(self) -> torch.Tensor:
@@ -106,6 +107,12 @@ class ModelGeometry:
         then run in float32.  Otherwise :class:`PrecisionError` is raised.
     warn : bool
         Emit the discovery warnings.
+    ball_norm : {"metric", "adaptive"}
+        Norm of the perturbation ball and of the step normalisation.  ``"metric"``
+        (default) is spec §7.3; ``"adaptive"`` is the App. G ablation (a): every
+        entry, GL blocks included, is measured by ``‖ξ ⊘ \sqrt{w² + ε}‖₂`` while ξ stays
+        horizontal for the block metric (a block entry with ``w = 0`` and ``ε = 0``
+        raises :class:`ZeroWeightError`).
     """
 
     def __init__(
@@ -121,12 +128,16 @@ class ModelGeometry:
         declared: Iterable[BlockSpec] = (),
         allow_half: bool = False,
         warn: bool = True,
+        ball_norm: str = "metric",
     ) -> None:
         if metric not in gl.METRICS:
             raise ValueError(f"metric must be one of {gl.METRICS}, got {metric!r}")
         for r in (retraction, adaptive_retraction):
             if r not in RETRACTIONS:
                 raise ValueError(f"retraction must be one of {RETRACTIONS}, got {r!r}")
+        if ball_norm not in ("metric", "adaptive"):
+            raise ValueError(f"ball_norm must be 'metric' or 'adaptive', got {ball_norm!r}")
+        self.ball_norm = ball_norm
         if eps < 0 or adaptive_eps < 0:
             raise ValueError("eps and adaptive_eps must be non-negative")
         self.metric, self.eps, self.retraction = metric, float(eps), retraction
@@ -153,6 +164,9 @@ class ModelGeometry:
         self._check_overlap()
         self.groups = self._build_groups()
         self._build_adaptive()
+        if ball_norm == "adaptive":
+            for g in self.groups:
+                self._block_c2(g)  # fail early on zero block entries
 
     # -- construction -----------------------------------------------------
     def _check_overlap(self) -> None:
@@ -254,10 +268,37 @@ class ModelGeometry:
         """Total Riemannian norm ``‖u‖``."""
         return self.inner(u, u).clamp_min(0).sqrt()
 
+    def ball_norm_of(self, u: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The norm that defines the perturbation ball (see ``ball_norm``)."""
+        if self.ball_norm == "metric":
+            return self.norm(u)
+        total = (u[-1] ** 2 / self.c2).sum()
+        for g, a in zip(self.groups, u, strict=False):
+            total = total + (a**2 / self._block_c2(g)).sum()
+        return total.clamp_min(0).sqrt()
+
+    def _block_c2(self, g: BlockGroup) -> torch.Tensor:
+        if g.c2 is None:
+            c2 = g.x0.to(self.dtype) ** 2 + self.adaptive_eps
+            if bool((c2 == 0).any()):
+                names = sorted({p for b in g.blocks for p in b.params})[:4]
+                raise ZeroWeightError(
+                    f"ball_norm='adaptive' measures GL-block entries by ξ/|w|, but blocks with "
+                    f"parameters {names} have zero entries (often untrained biases); pass "
+                    f"adaptive_eps > 0 to use ξ²/(w² + ε)"
+                )
+            g.c2 = c2
+        return g.c2
+
     def norms(self, u: Sequence[torch.Tensor]) -> dict[str, float]:
-        """Norm of the block part, the adaptive part and the total."""
-        blocks = sum((self._group_sq(g, a) for g, a in zip(self.groups, u, strict=False)),
-                     torch.zeros((), dtype=self.dtype))
+        """Norm of the block part, the adaptive part and the total (in the ball norm)."""
+        if self.ball_norm == "adaptive":
+            blocks = sum(((a**2 / self._block_c2(g)).sum()
+                          for g, a in zip(self.groups, u, strict=False)),
+                         torch.zeros((), dtype=self.dtype))
+        else:
+            blocks = sum((self._group_sq(g, a) for g, a in zip(self.groups, u, strict=False)),
+                         torch.zeros((), dtype=self.dtype))
         ad = (u[-1] ** 2 / self.c2).sum()
         return {"blocks": float(blocks.sqrt()), "adaptive": float(ad.sqrt()),
                 "total": float((blocks + ad).sqrt())}
@@ -286,7 +327,7 @@ class ModelGeometry:
 
     def scale_to_ball(self, u: Sequence[torch.Tensor], radius: float) -> list[torch.Tensor]:
         r"""Radial rescale ``ξ ← ξ · min(1, ρ/‖ξ‖)``."""
-        nrm = float(self.norm(u))
+        nrm = float(self.ball_norm_of(u))
         if nrm <= radius or nrm == 0.0:
             return list(u)
         return [a * (radius / nrm) for a in u]
@@ -386,6 +427,7 @@ class ModelGeometry:
             "eps": self.eps,
             "retraction": self.retraction,
             "adaptive_eps": self.adaptive_eps,
+            "ball_norm": self.ball_norm,
             "adaptive_retraction": self.adaptive_retraction,
             "blocks": [b.describe() for b in self.blocks],
             "groups": [{"n": g.n, "m": g.m, "h": g.h, "count": int(g.x0.shape[0])}

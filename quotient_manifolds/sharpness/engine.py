@@ -145,7 +145,7 @@ class _GeodesicProblem:
 
     def direction(self, xi, grad):
         r = self.geo.rgrad(grad)
-        n = float(self.geo.norm(r))
+        n = float(self.geo.ball_norm_of(r))
         return [t / n for t in r] if n > 0 else [torch.zeros_like(t) for t in r]
 
     def project(self, xi):
@@ -344,6 +344,7 @@ def geodesic_sharpness(
     blocks: Sequence[BlockSpec] | None = None,
     declared: Iterable[BlockSpec] = (),
     allow_half: bool = False,
+    ball_norm: str = "metric",
 ) -> SharpnessResult:
     r"""Geodesic sharpness (paper Eq. 4, spec §7) of ``model`` on ``data``.
 
@@ -382,19 +383,27 @@ def geodesic_sharpness(
         Use these blocks instead of / in addition to the discovered ones.
     allow_half : bool
         Accept a float16/bfloat16 model (block algebra in float32).
+    ball_norm : {"metric", "adaptive"}
+        ``"adaptive"`` is the App. G ablation (a) (spec §12.7): the ball and the
+        step normalisation use ``‖ξ ⊘ |w|‖₂`` on every entry, GL blocks included,
+        while ξ stays horizontal and the perturbation keeps its Γ term.  Worst case
+        only.
 
     Returns
     -------
     SharpnessResult
     """
     r = _common_checks(rho, kind, n_iter)
+    if ball_norm == "adaptive" and kind != "worst":
+        raise ValueError("ball_norm='adaptive' is an ablation of the worst case; use kind='worst'")
     geo = ModelGeometry(model, metric, eps=eps, retraction=retraction, adaptive_eps=adaptive_eps,
                         adaptive_retraction=adaptive_retraction, blocks=blocks,
-                        declared=declared, allow_half=allow_half)
+                        declared=declared, allow_half=allow_half, ball_norm=ball_norm)
     settings = dict(rho=r, metric=metric, retraction=retraction, kind=kind, n_iter=n_iter,
                     optimizer=None if optimizer is None else repr(optimizer), eps=eps, seed=seed,
                     adaptive_retraction=adaptive_retraction, adaptive_eps=adaptive_eps,
-                    solver="apgd" if optimizer is None else "geoopt", step_size=2 * r,
+                    ball_norm=ball_norm, solver="apgd" if optimizer is None else "geoopt",
+                    step_size=2 * r,
                     momentum=0.75, init="zero", masked_zero_weights=geo.n_masked_zeros,
                     geometry=geo.describe()["groups"])
     return _run(
