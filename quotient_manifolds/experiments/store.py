@@ -25,12 +25,16 @@ import torch
 
 __all__ = ["PopulationStore", "atomic_write_text", "protocol_hash"]
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically (temporary file + ``os.replace``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; results are meant to be shared
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -80,6 +84,7 @@ class PopulationStore:
         target = self.members_dir / f"{member_id}.safetensors"
         fd, tmp = tempfile.mkstemp(dir=self.members_dir, prefix=f".{member_id}.", suffix=".tmp")
         os.close(fd)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         try:
             save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, tmp)
             os.replace(tmp, target)

