@@ -57,7 +57,7 @@ def reparametrize(
     cur = {n: p.detach() for n, p in params.items()}
     for b in blocks:
         x = gather_block(b, cur).to(torch.float64)
-        A = scale * torch.randn(b.heads, b.h, b.h, generator=gen, dtype=torch.float64)
+        A = scale * torch.randn(b.heads, b.h, b.h, generator=gen, dtype=torch.float64).to(x.device)
         G, H = x[:, : b.n], x[:, b.n :]
         G2 = transpose(torch.linalg.solve(transpose(A), transpose(G)))  # G A⁻¹
         H2 = H @ transpose(A)  # H Aᵀ

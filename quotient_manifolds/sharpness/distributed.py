@@ -1,0 +1,279 @@
+r"""Data-parallel sharpness under ``torch.distributed`` (``torchrun``).
+
+Two ways to share the work of :func:`~quotient_manifolds.geodesic_sharpness` and
+:func:`~quotient_manifolds.adaptive_sharpness` among the ``W`` ranks of a process group
+(see ``docs/distributed.md``):
+
+``shard="batches"`` (the default when a group with ``W > 1`` is initialised)
+    Rank ``r`` solves the inner maximisation of the batches ``b`` with ``b mod W = r``,
+    exactly as a single process would; the per-batch records are then gathered, so every
+    rank returns the same :class:`SharpnessResult`, whose per-batch values equal a
+    single-process run's.  Every rank must iterate the same ``data`` in the same order.
+
+``shard="within_batch"``
+    Every rank takes a slice of every batch (dim 0 of each tensor, by default); the
+    loss is the slice-size weighted sum of the per-rank losses and the gradients are
+    summed over ranks:
+
+    .. math::
+
+        L = \sum_r \frac{n_r}{N} L_r, \qquad ∇_ξ L = \sum_r \frac{n_r}{N} ∇_ξ L_r ,
+
+    which is the full-batch loss when ``loss_fn`` returns a *mean over the examples* of
+    its batch.  The tangent vector ξ is the same on every rank throughout (every rank
+    takes the same steps on the same all-reduced values), so the value equals the
+    single-process one up to float rounding of the sums.
+
+``shard="none"`` (the default without a group) runs everything on this process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DistributedError
+
+__all__ = ["SHARD_MODES", "ShardContext", "default_split", "resolve_shard"]
+
+SHARD_MODES = ("none", "batches", "within_batch")
+
+SplitFn = Callable[[object, int, int], tuple[object, int]]
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _rows(x) -> int | None:
+    if isinstance(x, torch.Tensor):
+        return int(x.shape[0]) if x.dim() else None
+    if isinstance(x, Mapping):
+        for v in x.values():
+            r = _rows(v)
+            if r is not None:
+                return r
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            r = _rows(v)
+            if r is not None:
+                return r
+    return None
+
+
+def _slice(x, rank: int, world: int):
+    if isinstance(x, torch.Tensor):
+        return torch.tensor_split(x, world, dim=0)[rank] if x.dim() else x
+    if isinstance(x, Mapping):
+        d = {k: _slice(v, rank, world) for k, v in x.items()}
+        try:
+            return type(x)(d)
+        except TypeError:
+            return d
+    if isinstance(x, tuple):
+        return tuple(_slice(v, rank, world) for v in x)
+    if isinstance(x, list):
+        return [_slice(v, rank, world) for v in x]
+    return x
+
+
+def default_split(batch, rank: int, world_size: int) -> tuple[object, int]:
+    """Rank ``rank``'s slice of ``batch`` and its number of examples.
+
+    Every tensor (also inside dicts, lists and tuples, e.g. a Hugging Face batch
+    ``{"input_ids": …, "labels": …}`` or ``(x, y)``) is cut along dim 0 by
+    :func:`torch.tensor_split` into ``world_size`` near-equal parts; 0-d tensors and
+    non-tensors are passed whole.  The size is dim 0 of the first tensor found.
+    """
+    n = _rows(batch)
+    if n is None:
+        raise DistributedError(
+            "shard='within_batch' found no tensor with a batch dimension in the batch; "
+            "pass split_batch=fn with fn(batch, rank, world_size) -> (slice, n_examples)"
+        )
+    part = _slice(batch, rank, world_size)
+    return part, int(torch.tensor_split(torch.empty(n, 0), world_size)[rank].shape[0])
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: all-reduce (sum) a scalar; backward: identity (each rank owns its term)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        y = x.detach().clone()
+        _dist().all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
+
+
+class _GradSumOverRanks(torch.autograd.Function):
+    """Forward: identity on shared tensors; backward: one all-reduce (sum) of all their grads."""
+
+    @staticmethod
+    def forward(ctx, group, *xs: torch.Tensor):
+        ctx.group = group
+        ctx.meta = [(x.shape, x.dtype, x.device) for x in xs]
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs: torch.Tensor | None):
+        gs = [torch.zeros(s, dtype=d, device=dev) if g is None else g
+              for g, (s, d, dev) in zip(gs, ctx.meta, strict=True)]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(gs):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        out = list(gs)
+        for dt in sorted(by_dtype, key=str):  # same order on every rank
+            idx = by_dtype[dt]
+            flat = torch.cat([gs[i].reshape(-1) for i in idx])
+            _dist().all_reduce(flat, group=ctx.group)
+            for i, piece in zip(idx, torch.split(flat, [gs[i].numel() for i in idx]),
+                                strict=True):
+                out[i] = piece.view_as(gs[i])
+        return (None, *out)
+
+
+class _WithinBatchEvaluator:
+    """``L = Σ_r (n_r/N) L_r`` on every rank, with gradients summed over ranks."""
+
+    def __init__(self, ev, ctx: ShardContext) -> None:
+        self.ev, self.ctx = ev, ctx
+
+    def __call__(self, params: dict[str, torch.Tensor], batch) -> torch.Tensor:
+        ctx = self.ctx
+        part, n_local = ctx.split(batch, ctx.rank, ctx.world_size)
+        device = next(iter(params.values())).device  # nccl reduces device tensors only
+        sizes = torch.tensor([float(n_local)], dtype=torch.float64, device=device)
+        _dist().all_reduce(sizes, group=ctx.group)
+        n_total = float(sizes)
+        if n_total <= 0:
+            raise DistributedError("shard='within_batch': the batch has no examples on any rank")
+        names = [k for k, t in params.items() if t.requires_grad]
+        if names:
+            shared = _GradSumOverRanks.apply(ctx.group, *(params[k] for k in names))
+            params = {**params, **dict(zip(names, shared, strict=True))}
+        if n_local > 0:
+            loss = self.ev(params, part).double() * (n_local / n_total)
+        else:  # keep the graph connected, so this rank joins the gradient all-reduce
+            loss = sum((params[k].sum().double() * 0.0 for k in names),
+                       torch.zeros((), dtype=torch.float64, device=device))
+        return _SumOverRanks.apply(loss, ctx.group)
+
+
+@dataclass
+class ShardContext:
+    """How this process shares the work (see the module docstring)."""
+
+    mode: str = "none"
+    rank: int = 0
+    world_size: int = 1
+    group: object = None
+    split: SplitFn = default_split
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def main(self) -> bool:
+        """Whether this is the rank that prints progress."""
+        return self.rank == 0
+
+    def owns(self, b: int) -> bool:
+        """Whether this rank solves batch ``b``."""
+        return self.mode != "batches" or b % self.world_size == self.rank
+
+    def evaluator(self, ev):
+        """The loss evaluator to use (wrapped for ``within_batch``)."""
+        return _WithinBatchEvaluator(ev, self) if self.mode == "within_batch" else ev
+
+    def common_seed(self, seed: int | None) -> int:
+        """``seed``, or a fresh random seed drawn on rank 0 and shared with every rank."""
+        if seed is not None:
+            return int(seed)
+        s = int(torch.seed() % (2**63))
+        if self.active:
+            box = [s]
+            _dist().broadcast_object_list(box, src=self._global(0), group=self.group)
+            s = int(box[0])
+        return s
+
+    def _global(self, rank: int) -> int:
+        if self.group is None:
+            return rank
+        return _dist().get_global_rank(self.group, rank)
+
+    def check_same(self, tensors: list[torch.Tensor]) -> None:
+        """Raise :class:`DistributedError` unless every rank has the same base point.
+
+        Compares shapes and the float64 sums of ``t`` and ``t²`` of every tensor (relative
+        tolerance 1e-9, so that summation order on different machines does not matter).
+        """
+        if not self.active:
+            return
+        mine = [(tuple(t.shape), float(t.double().sum()), float(t.double().square().sum()))
+                for t in tensors]
+        out: list = [None] * self.world_size
+        _dist().all_gather_object(out, mine, group=self.group)
+
+        def same(a, b) -> bool:
+            return len(a) == len(b) and all(
+                sa == sb and math.isclose(xa, xb, rel_tol=1e-9, abs_tol=1e-30)
+                and math.isclose(ya, yb, rel_tol=1e-9, abs_tol=1e-30)
+                for (sa, xa, ya), (sb, xb, yb) in zip(a, b, strict=True))
+
+        bad = [r for r, o in enumerate(out) if not same(o, out[0])]
+        if bad:
+            raise DistributedError(
+                f"rank(s) {bad} hold a different model than rank 0 (weights or GL blocks "
+                "differ); load the same checkpoint on every rank before computing sharpness"
+            )
+
+    def gather(self, records: list[tuple], n_evals: int, elapsed: float
+               ) -> tuple[list[tuple], int, float]:
+        """All ranks' per-batch records in batch order, total evaluations, max wall time.
+
+        ``within_batch``: every rank already holds every record; only the wall time
+        (the maximum over ranks) is shared.
+        """
+        if not self.active:
+            return records, n_evals, elapsed
+        out: list = [None] * self.world_size
+        mine = (records if self.mode == "batches" else [], n_evals, elapsed)
+        _dist().all_gather_object(out, mine, group=self.group)
+        wall = max(o[2] for o in out)
+        if self.mode != "batches":
+            return records, n_evals, wall
+        merged = sorted((r for recs, _, _ in out for r in recs), key=lambda r: r[0])
+        return merged, sum(o[1] for o in out), wall
+
+
+def resolve_shard(shard: str | None, split_batch: SplitFn | None = None,
+                  group=None) -> ShardContext:
+    """The :class:`ShardContext` of a sharpness call.
+
+    ``shard=None`` means ``"batches"`` when a process group with more than one rank is
+    initialised and ``"none"`` otherwise; without such a group every mode runs on this
+    process alone.
+    """
+    if shard is not None and shard not in SHARD_MODES:
+        raise ValueError(f"shard must be one of {SHARD_MODES} or None, got {shard!r}")
+    if split_batch is not None and shard != "within_batch":
+        raise ValueError("split_batch is only used with shard='within_batch'")
+    dist = _dist()
+    up = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if up else 1
+    if shard is None:
+        shard = "batches" if world > 1 else "none"
+    if shard == "none" or world == 1:  # nothing to share: this process does everything
+        return ShardContext()
+    return ShardContext(shard, dist.get_rank(group), world, group,
+                        split_batch or default_split)
