@@ -11,9 +11,10 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated")
     import geoopt  # noqa: F401
 
-from . import errors, geometry, manifolds, models, sharpness
+from . import errors, geometry, landscape, manifolds, models, sharpness
 from .errors import (
     BlockSpecError,
+    DistributedError,
     EmptyDataError,
     GeodesicDomainError,
     InvalidRadiusError,
@@ -54,6 +55,7 @@ __all__ = [
     "geometry",
     "manifolds",
     "BlockSpecError",
+    "DistributedError",
     "EmptyDataError",
     "InvalidRadiusError",
     "NoBlocksWarning",
@@ -69,6 +71,7 @@ __all__ = [
     "TangentBall",
     "adaptive_sharpness",
     "geodesic_sharpness",
+    "landscape",
     "models",
     "sharpness",
 ]

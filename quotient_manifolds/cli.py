@@ -26,6 +26,23 @@ def _verify(args: argparse.Namespace) -> int:
     return verify_main(args.rest)
 
 
+def _reproduce(args: argparse.Namespace) -> int:
+    import torch
+
+    from .experiments.registry import ExperimentUnavailableError, combined_table, run_experiments
+
+    torch.set_num_threads(1)
+    try:
+        results = run_experiments([args.experiment], args.out, quick=args.quick, progress=True)
+    except ExperimentUnavailableError as e:
+        print(f"quotient-manifolds reproduce: error: {e}", file=sys.stderr)
+        return 2
+    print(combined_table(results))
+    for name, res in results.items():
+        print(f"{name}: {args.out}/{name}/results.json ({res['wall_s']:.1f} s)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="quotient-manifolds", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +59,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_help=False,
     )
     verify.set_defaults(func=_verify)
+    from .experiments.registry import EXPERIMENTS
+
+    reproduce = sub.add_parser(
+        "reproduce", help="run a paper experiment or population (issue 5) and print its tau table"
+    )
+    reproduce.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
+    reproduce.add_argument("--out", required=True, help="output folder (results and caches)")
+    reproduce.add_argument("--quick", action="store_true", help="small protocol for CI")
+    reproduce.set_defaults(func=_reproduce)
+    from .population import add_subcommands
+
+    add_subcommands(sub)  # sharpness, correlate (docs/cli.md)
     args, rest = parser.parse_known_args(argv)
     if args.command == "verify":
         args.rest = rest  # options belong to ``python -m quotient_manifolds.symbolic``

@@ -18,6 +18,8 @@ __all__ = [
     "EmptyDataError",
     "PrecisionError",
     "BlockSpecError",
+    "DistributedError",
+    "PopulationInputError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
 ]
@@ -86,6 +88,22 @@ class PrecisionError(QuotientManifoldError, TypeError):
 
 class BlockSpecError(QuotientManifoldError, ValueError):
     """A declared GL block does not match the model's parameters."""
+
+
+class DistributedError(QuotientManifoldError, RuntimeError):
+    """The ranks of a data-parallel sharpness call cannot work together.
+
+    E.g. they hold different models, or a batch cannot be sliced along its first
+    dimension (``shard="within_batch"``); see ``docs/distributed.md``.
+    """
+
+
+class PopulationInputError(QuotientManifoldError, ValueError):
+    """A file, factory, checkpoint or results line given to the command line does not fit.
+
+    The message names the input and what to do; the command line prints it as one line and
+    exits with status 2.
+    """
 
 
 class SymmetryFallbackWarning(UserWarning):

@@ -255,3 +255,13 @@ def test_ball_norm_adaptive_ablation():
         qm.geodesic_sharpness(model, ce_loss, data, ball_norm="adaptive", kind="average", **kw)
     with pytest.raises(ValueError, match="ball_norm"):
         qm.ModelGeometry(model, "inv", ball_norm="l2")
+
+
+def test_average_case_on_float32_model():
+    """Gram algebra is float64; the Gaussian samples must still come out in the model's dtype."""
+    model = MHANet().float()
+    data = [(x.float(), y) for x, y in mha_data(n_batches=1)]
+    for metric in ("inv", "mix"):
+        r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.05, n_iter=3, kind="average",
+                                  metric=metric, seed=0, progress=False)
+        assert math.isfinite(r.value)
