@@ -3,12 +3,15 @@ r"""Accuracy and cost of the exact GL(h) retraction: fixed-step RK4 versus torch
 The exact retraction of :class:`quotient_manifolds.GLQuotient`
 (``retraction="exact"``) integrates the geodesic equation
 ``γ̈ = −Γ_γ(γ̇, γ̇)`` from ``(x, u)`` to ``t = 1`` with classic RK4 and a fixed
-number of ``steps`` (:func:`quotient_manifolds.geometry.ode.rk4_geodesic`).
-This script compares, for both metrics,
+number of ``steps``, on the ``h×h``-sized system of the span of ``[F, u_F]``
+(:func:`quotient_manifolds.geometry.gl.geodesic`).  This script compares, for both metrics,
 
 * ``rk4 (ours)``: ``GLQuotient(..., retraction="exact", steps=k).retr`` for
   ``k ∈ {1, 2, 4, 8, 16, 32}`` (float64), and ``k = 8`` in float32 (the
   precision a model trains in);
+* ``rk4 full space``: the previous integrator, RK4 on ``(γ, γ̇)`` in the full
+  ``(n + m) × h`` space (:func:`quotient_manifolds.geometry.ode.rk4_geodesic` with
+  :meth:`GLQuotient._acceleration`), ``k = 8``, float64 and float32;
 * ``tdq rk4``: :func:`torchdiffeq.odeint`, fixed grid ``step_size = 1/8``
   (torchdiffeq's RK4 is the 3/8-rule variant);
 * ``tdq dopri5``: :func:`torchdiffeq.odeint`, adaptive, ``rtol = atol ∈ {1e-6, 1e-9}``;
@@ -84,6 +87,7 @@ from _common import (  # noqa: E402
 
 import quotient_manifolds as qm  # noqa: E402
 from quotient_manifolds.geometry import gl  # noqa: E402
+from quotient_manifolds.geometry.ode import rk4_geodesic  # noqa: E402
 
 Retraction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -205,6 +209,16 @@ def ours(size: Size, metric: str, steps: int) -> Retraction:
     return M.retr
 
 
+def full_space(size: Size, metric: str, steps: int) -> Retraction:
+    """The previous integrator: RK4 on ``(γ, γ̇)`` in the full ``(n + m) × h`` space."""
+    M = qm.GLQuotient(size.n, size.m, metric=metric, validate=False)
+
+    def run(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return rk4_geodesic(x, u, M._acceleration, steps)[0]
+
+    return run
+
+
 def second_order(size: Size, metric: str) -> Retraction:
     """The library's default retraction ``x + u − ½Γ_x(u, u)``."""
     return qm.GLQuotient(size.n, size.m, metric=metric).retr
@@ -233,6 +247,10 @@ def methods(size: Size, metric: str, M: qm.GLQuotient, cfg: Config
                     torch.float64))
     out.append((f"ours_k{F32_STEPS}_f32", f"rk4 (ours) k={F32_STEPS} float32",
                 ours(size, metric, F32_STEPS), None, torch.float32))
+    out.append((f"full_k{F32_STEPS}", f"rk4 full space k={F32_STEPS} (previous)",
+                full_space(size, metric, F32_STEPS), None, torch.float64))
+    out.append((f"full_k{F32_STEPS}_f32", f"rk4 full space k={F32_STEPS} float32 (previous)",
+                full_space(size, metric, F32_STEPS), None, torch.float32))
     for k in cfg.tdq_rk4_steps:
         f = CountedField(M)
         out.append((f"tdq_rk4_k{k}", f"tdq rk4 k={k}", tdq(f, "rk4", step_size=1.0 / k), f,
@@ -249,7 +267,7 @@ def nfe_of(key: str, field: CountedField | None, retr: Retraction,
            x: torch.Tensor, u: torch.Tensor) -> int:
     """Right-hand-side evaluations of one call."""
     if field is None:
-        if key.startswith("ours_k"):
+        if key.startswith(("ours_k", "full_k")):
             return 4 * int(key.split("_")[1][1:])
         return 1  # second order: one Christoffel evaluation
     field.nfe = 0

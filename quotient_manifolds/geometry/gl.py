@@ -36,6 +36,7 @@ __all__ = [
     "project",
     "egrad2rgrad",
     "christoffel",
+    "geodesic",
     "check_finite",
 ]
 
@@ -394,3 +395,208 @@ def christoffel(
         cG = _christoffel_mix_factor(G, H, gr.Q_inv.to(dt), uG, vG, uH, vH)
         cH = _christoffel_mix_factor(H, G, gr.P_inv.to(dt), uH, vH, uG, vG)
     return cG.to(out_dt), cH.to(out_dt)
+
+
+
+
+def _span_coefficients(P, S, T, metric: str, eps: float):
+    # (A, B) with Γ_γ(γ̇, γ̇)_F = γ_F A_F + γ̇_F B_F from the Gram quantities P = γᵀγ,
+    # S = γᵀγ̇, T = γ̇ᵀγ̇ of both factors (shape (2k, h, h): the k G factors, then the k H), and
+    # M⁻¹ = (P + εI)⁻¹ of each factor (its own), needed by the VJP.  The Cholesky
+    # factorisation and the inverse run in float64.  No checks and no host sync: a Gram
+    # matrix that loses definiteness gives NaN, which the caller reports.
+    P64 = P.to(GRAM_DTYPE)
+    if eps:
+        P64 = P64 + eps * eye_like(P64)
+    # M⁻¹ = L⁻ᵀ L⁻¹: a triangular inverse and a product cost less than cholesky_inverse
+    L = torch.linalg.cholesky_ex(P64).L
+    L_inv = torch.linalg.solve_triangular(L, eye_like(L).expand_as(L), upper=False)
+    M_inv = torch.bmm(transpose(L_inv), L_inv).to(P.dtype)
+    Sig = S + transpose(S)
+    if metric == "inv":
+        # Γ_F = F P_F⁻¹ T_F − ξ_F P_F⁻¹ (S_F + S_Fᵀ)                          (Eq. 11)
+        return M_inv @ T, torch.bmm(M_inv, Sig).neg_(), M_inv
+    # Γ_G = −G T_H Q⁻¹ + ξ_G (S_H + S_Hᵀ) Q⁻¹, and G ↔ H  (Eq. 12; T, S + Sᵀ, Q symmetric)
+    return _cross_bmm(T, M_inv, -1.0), _cross_bmm(Sig, M_inv), M_inv
+
+
+def _cross_bmm(X: torch.Tensor, Y: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """``Z_F = α X_o Y_o`` for ``(2k, …)`` stacks of G factors then H (o: the other factor)."""
+    k = X.shape[0] // 2
+    Z = X.new_empty(X.shape[0], X.shape[1], Y.shape[2])
+    for dst, src in ((slice(None, k), slice(k, None)), (slice(k, None), slice(None, k))):
+        torch.baddbmm(Z[dst], X[src], Y[src], beta=0, alpha=alpha, out=Z[dst])
+    return Z
+
+
+def _cross_addbmm_(Z: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, alpha: float) -> None:
+    """``Z_F += α X_o Y_F`` in place, for ``(2k, …)`` stacks as in :func:`_cross_bmm`."""
+    k = X.shape[0] // 2
+    Z[:k].baddbmm_(X[k:], Y[:k], alpha=alpha)
+    Z[k:].baddbmm_(X[:k], Y[k:], alpha=alpha)
+
+
+def _span_field(y, metric: str, eps: float):
+    # ẏ for y = (X, V, P, S, T):  Ẋ = V,  V̇ = −(XA + VB),  Ṗ = S + Sᵀ,  Ṡ = T − PA − SB,
+    # Ṫ = −(C + Cᵀ) with C = SᵀA + TB; also returns (A, B, M⁻¹) for the VJP.
+    X, V, P, S, T = y
+    A, B, M_inv = _span_coefficients(P, S, T, metric, eps)
+    dV = torch.baddbmm(torch.bmm(X, A), V, B).neg_()
+    if metric == "inv" and not eps:  # P A = P P⁻¹ T = T
+        dS = torch.bmm(S, B).neg_()
+    else:
+        dS = torch.baddbmm(T, P, A, alpha=-1).baddbmm_(S, B, alpha=-1)
+    C = torch.baddbmm(torch.bmm(transpose(S), A), T, B)
+    return [V, dV, S + transpose(S), dS, (C + transpose(C)).neg_()], (A, B, M_inv)
+
+
+def _span_field_vjp(y, coef, g, metric: str, eps: float):
+    # Adjoint of _span_field at y: the cotangent g of ẏ pulled back to y (a list like y).
+    X, V, P, S, T = y
+    A, B, M_inv = coef
+    gX, gV, gP, gS, gT = g
+    gC = (gT + transpose(gT)).neg_()
+    aX = torch.bmm(gV, transpose(A)).neg_()
+    aV = torch.baddbmm(gX, gV, transpose(B), alpha=-1)
+    gA = torch.bmm(S, gC).baddbmm_(transpose(X), gV, alpha=-1)
+    gB = torch.bmm(transpose(T), gC).baddbmm_(transpose(V), gV, alpha=-1).baddbmm_(
+        transpose(S), gS, alpha=-1)
+    aS = (gP + transpose(gP)).baddbmm_(gS, transpose(B), alpha=-1).baddbmm_(A, transpose(gC))
+    if metric == "inv" and not eps:  # Ṡ = −S B
+        aP = torch.zeros_like(P)
+        aT = torch.bmm(gC, transpose(B))
+    else:  # Ṡ = T − P A − S B
+        gA.baddbmm_(transpose(P), gS, alpha=-1)
+        aP = torch.bmm(gS, transpose(A)).neg_()
+        aT = torch.baddbmm(gS, gC, transpose(B))
+    # coefficients: A, B as functions of (M = P + εI, S + Sᵀ, T)
+    if metric == "inv":  # A = M⁻¹T, B = −M⁻¹Σ
+        aT.baddbmm_(M_inv, gA)
+        aSig = torch.bmm(M_inv, gB).neg_()
+        aP.sub_(M_inv @ torch.bmm(gA, transpose(A)).baddbmm_(gB, transpose(B)))
+    else:  # A_F = −T_o M_o⁻¹, B_F = Σ_o M_o⁻¹ (o: the other factor)
+        _cross_addbmm_(aT, gA, M_inv, -1.0)
+        aSig = torch.zeros_like(aS)
+        _cross_addbmm_(aSig, gB, M_inv, 1.0)
+        _cross_addbmm_(aP, torch.bmm(transpose(A), gA).baddbmm_(transpose(B), gB), M_inv, -1.0)
+    aS.add_(aSig).add_(transpose(aSig))
+    return [aX, aV, aP, aS, aT]
+
+
+def _rk4_stages(y, dt: float, metric: str, eps: float):
+    # One RK4 step from y: the four stage inputs, their coefficients, and the new y.
+    ys, ks, cs = [y], [], []
+    for c in (0.5, 0.5, 1.0, None):
+        k, coef = _span_field(ys[-1], metric, eps)
+        ks.append(k)
+        cs.append(coef)
+        if c is not None:
+            ys.append([torch.add(a, b, alpha=c * dt) for a, b in zip(y, k, strict=True)])
+    new = [torch.add(a, torch.add(p, q, alpha=2).add_(r, alpha=2).add_(s), alpha=dt / 6)
+           for a, p, q, r, s in zip(y, *ks, strict=True)]
+    return ys, cs, new
+
+
+class _SpanRK4(torch.autograd.Function):
+    """RK4 on the ``h×h``-sized system of :func:`geodesic`, with a hand-written adjoint.
+
+    The backward pass is the exact discrete adjoint of the forward RK4 (so the gradient is
+    that of the computed map); the forward keeps each stage's input and ``(A, B, M⁻¹)``.
+    """
+
+    @staticmethod
+    def forward(ctx, P0, S0, T0, metric, eps, steps, h):  # type: ignore[override]
+        n2 = P0.shape[0]
+        I = torch.eye(h, dtype=P0.dtype, device=P0.device)
+        Z = torch.zeros_like(I)
+        X = torch.cat([I, Z]).expand(n2, 2 * h, h).contiguous()
+        V = torch.cat([Z, I]).expand(n2, 2 * h, h).contiguous()
+        y = [X, V, P0, S0, T0]
+        dt = 1.0 / steps
+        keep = any(ctx.needs_input_grad[:3])
+        tape = []
+        for _ in range(steps):
+            ys, cs, y = _rk4_stages(y, dt, metric, eps)
+            if keep:
+                tape.append((ys, cs))
+        ctx.tape, ctx.metric, ctx.eps, ctx.dt = tape, metric, eps, dt
+        return y[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gX1):  # type: ignore[override]
+        metric, eps, dt, tape = ctx.metric, ctx.eps, ctx.dt, ctx.tape  # kept: retain_graph
+        a = [gX1.contiguous()] + [torch.zeros_like(t) for t in tape[0][0][0][1:]]
+        for ys, cs in reversed(tape):
+            # y⁺ = y + dt/6 (k₁ + 2k₂ + 2k₃ + k₄), y_{i+1} = y + c_i dt k_i (c = ½, ½, 1)
+            out = [t.clone() for t in a]
+            gk = [t * (dt / 6) for t in a]
+            for i in (3, 2, 1, 0):
+                ay = _span_field_vjp(ys[i], cs[i], gk, metric, eps)
+                for o, t in zip(out, ay, strict=True):
+                    o.add_(t)
+                if i:
+                    c = (0.5, 0.5, 1.0)[i - 1] * dt
+                    w = dt / 3 if i > 1 else dt / 6
+                    gk = [torch.mul(t, w).add_(s, alpha=c) for t, s in zip(a, ay, strict=True)]
+            a = out
+        return a[2], a[3], a[4], None, None, None, None
+
+
+def geodesic(
+    G: torch.Tensor,
+    H: torch.Tensor,
+    uG: torch.Tensor,
+    uH: torch.Tensor,
+    metric: str,
+    eps: float = 0.0,
+    steps: int = 8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""The geodesic ``γ(1)`` from ``(G, H)`` along ``(u_G, u_H)``, by RK4 on ``h×h`` states.
+
+    Both Christoffel forms (Eq. 11/12) are ``Γ_F = F A + ξ_F B`` with ``h×h`` matrices
+    ``A, B`` built from the Gram quantities ``P = γᵀγ``, ``S = γᵀγ̇``, ``T = γ̇ᵀγ̇`` of the
+    two factors (inv: ``A = (P + εI)⁻¹T``, ``B = −(P + εI)⁻¹(S + Sᵀ)``; mix: ``−T_H Q⁻¹``
+    and ``(S_H + S_Hᵀ) Q⁻¹`` for ``G``, and ``G ↔ H``).  So ``γ̈ = −Γ_γ(γ̇, γ̇)`` keeps
+    ``(γ, γ̇)`` in the column span of ``[F₀, u_F]``: ``[γ, γ̇] = [F₀, u_F] [X, V]`` with
+    ``X(0) = [I; 0]``, ``V(0) = [0; I]`` and the closed system
+
+    .. math::
+
+        \dot X = V,\quad \dot V = −(XA + VB),\quad \dot P = S + Sᵀ,\quad
+        \dot S = T − PA − SB,\quad \dot T = −(SᵀA + TB) − (SᵀA + TB)ᵀ .
+
+    RK4 with ``steps`` fixed steps integrates it (spec §6.5.5): every stage costs
+    ``O(h³)`` instead of the ``O(n h²)`` of RK4 on ``(γ, γ̇)`` in the full space, with no
+    validation and no host sync; ``n×h`` products occur only at the start (``P, S, T``, in
+    float64) and at the end (``γ(1) = F₀ X_{top} + u_F X_{bottom}``).  The states run in
+    the working dtype (float32, or float64 for float64 inputs), ``(P + εI)⁻¹`` is computed
+    in float64.
+
+    The gradient is the exact discrete adjoint of this RK4, hand-written (not taped by
+    autograd): the forward keeps only each stage's input state and ``(A, B, (P + εI)⁻¹)``,
+    and the backward is a few batched ``h×h`` products per stage (``docs/benchmarks.md``).
+    Reverse mode only (no double backward, no forward mode).
+    Returned in the dtype of ``uG``.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps}")
+    out_dt = uG.dtype
+    dt, (G, H, uG, uH) = _work(G, H, uG, uH)
+    batch = torch.broadcast_shapes(G.shape[:-2], H.shape[:-2], uG.shape[:-2], uH.shape[:-2])
+    G, H, uG, uH = (t.expand(*batch, *t.shape[-2:]) for t in (G, H, uG, uH))
+    h = G.shape[-1]
+
+    def gram3(F: torch.Tensor, U: torch.Tensor):
+        F, U = F.to(GRAM_DTYPE), U.to(GRAM_DTYPE)
+        Ft = transpose(F)
+        return Ft @ F, Ft @ U, transpose(U) @ U
+
+    pairs = zip(gram3(G, uG), gram3(H, uH), strict=True)
+    # (2k, h, h) stacks: the k G factors, then the k H factors
+    P0, S0, T0 = (torch.stack(pair).to(dt).reshape(-1, h, h) for pair in pairs)
+    X1 = _SpanRK4.apply(P0, S0, T0, metric, float(eps), int(steps), h)
+    X1 = X1.view(2, *batch, 2 * h, h)
+    yG = G @ X1[0, ..., :h, :] + uG @ X1[0, ..., h:, :]
+    yH = H @ X1[1, ..., :h, :] + uH @ X1[1, ..., h:, :]
+    return yG.to(out_dt), yH.to(out_dt)

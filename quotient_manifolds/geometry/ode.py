@@ -10,13 +10,31 @@ operations, so autograd differentiates through it, and the cost is a fixed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["rk4_geodesic"]
+__all__ = ["rk4", "rk4_geodesic"]
 
 Accel = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Field = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def rk4(y: Sequence[torch.Tensor], f: Field, steps: int, t: float = 1.0) -> list[torch.Tensor]:
+    """Classic RK4 for ``ẏ = f(y)`` on a list of tensors, ``steps`` fixed steps to time ``t``."""
+    if steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps}")
+    dt = t / steps
+    y = list(y)
+    for _ in range(steps):
+        k1 = f(y)
+        k2 = f([torch.add(a, k, alpha=0.5 * dt) for a, k in zip(y, k1, strict=True)])
+        k3 = f([torch.add(a, k, alpha=0.5 * dt) for a, k in zip(y, k2, strict=True)])
+        k4 = f([torch.add(a, k, alpha=dt) for a, k in zip(y, k3, strict=True)])
+        # y + dt/6 (k1 + 2 k2 + 2 k3 + k4), with one pass per term
+        y = [torch.add(a, torch.add(p, q, alpha=2).add_(r, alpha=2).add_(s), alpha=dt / 6)
+             for a, p, q, r, s in zip(y, k1, k2, k3, k4, strict=True)]
+    return y
 
 
 def rk4_geodesic(

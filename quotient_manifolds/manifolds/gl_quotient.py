@@ -6,8 +6,7 @@ import torch
 
 from ..errors import RankDeficientError, ShapeError
 from ..geometry import gl
-from ..geometry.linalg import compute_dtype, transpose
-from ..geometry.ode import rk4_geodesic
+from ..geometry.linalg import transpose
 from .base import QuotientManifold, assert_broadcastable
 
 __all__ = ["GLQuotient"]
@@ -224,10 +223,16 @@ class GLQuotient(QuotientManifold):
         return -self._join(cG, cH, x.dtype)
 
     def _geodesic(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """RK4 in the ``2h``-dim span of ``[F, u_F]`` (:func:`~..geometry.gl.geodesic`).
+
+        Equal, to rounding, to RK4 on ``(γ, γ̇)`` in the full space with :meth:`_acceleration`
+        (``O(h³)`` instead of ``O(n h²)`` per stage, no host sync).
+        """
         self._prepare(x, u)
-        dt = compute_dtype(x.dtype)
-        y, _ = rk4_geodesic(x.to(dt), u.to(dt), self._acceleration, self.steps)
-        return y.to(x.dtype)
+        G, H = self.split(x)
+        uG, uH = self.split(u)
+        yG, yH = gl.geodesic(G, H, uG, uH, self.metric, self.eps, self.steps)
+        return self._join(yG, yH, x.dtype)
 
     # -- group structure --------------------------------------------------------
     def vertical(self, x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,9 @@ class ModelGeometry:
         entry, GL blocks included, is measured by ``‖ξ ⊘ \sqrt{w² + ε}‖₂`` while ξ stays
         horizontal for the block metric (a block entry with ``w = 0`` and ``ε = 0``
         raises :class:`ZeroWeightError`).
+    exact_steps : int
+        RK4 steps of the exact retraction of the GL blocks (``GLQuotient(steps=…)``);
+        the error is ``≲ 1.4e-3 (‖ξ‖/steps)⁴`` (``docs/benchmarks.md``).
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class ModelGeometry:
         allow_half: bool = False,
         warn: bool = True,
         ball_norm: str = "metric",
+        exact_steps: int = 8,
     ) -> None:
         if metric not in gl.METRICS:
             raise ValueError(f"metric must be one of {gl.METRICS}, got {metric!r}")
@@ -138,6 +142,7 @@ class ModelGeometry:
         if ball_norm not in ("metric", "adaptive"):
             raise ValueError(f"ball_norm must be 'metric' or 'adaptive', got {ball_norm!r}")
         self.ball_norm = ball_norm
+        self.exact_steps = int(exact_steps)
         if eps < 0 or adaptive_eps < 0:
             raise ValueError("eps and adaptive_eps must be non-negative")
         self.metric, self.eps, self.retraction = metric, float(eps), retraction
@@ -189,7 +194,8 @@ class ModelGeometry:
         groups = []
         for (n, m, h), blocks in by_shape.items():
             x0 = torch.cat([gather_block(b, self.base).to(self.dtype) for b in blocks])
-            man = GLQuotient(n, m, self.metric, self.eps, self.retraction, validate=False)
+            man = GLQuotient(n, m, self.metric, self.eps, self.retraction, validate=False,
+                             steps=self.exact_steps)
             G, H = x0[:, :n], x0[:, n:]
             try:
                 grams = gl.grams(G, H, self.eps)
@@ -211,6 +217,10 @@ class ModelGeometry:
                     bad.append(f"{b.kind} at {b.module!r} head {i}")
         where = ", ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
         return f"{msg} Rank-deficient block(s): {where or 'unknown'}."
+
+    def _device(self) -> torch.device:
+        """Device of the model's parameters (CPU for a model without any)."""
+        return next(iter(self.base.values())).device if self.base else torch.empty(0).device
 
     def _build_adaptive(self) -> None:
         entries, pieces, start, masked = [], [], 0, 0
@@ -235,7 +245,8 @@ class ModelGeometry:
             pieces.append(vals.to(self.dtype))
             start += vals.numel()
         self.entries = entries
-        self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype)
+        self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype,
+                                                               device=self._device())
         self.c2 = am.scale2(self.w0, self.adaptive_eps)
         self.n_masked_zeros = masked
         self.adaptive = AdaptiveEuclidean(self.adaptive_eps, self.adaptive_retraction,
@@ -318,7 +329,15 @@ class ModelGeometry:
 
     def rgrad(self, egrad: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         r"""Horizontal Riemannian gradient: ``Π(∇_G P, ∇_H Q)`` (inv) / ``Π(∇_G Q⁻¹, ∇_H P⁻¹)``
-        (mix) per block; ``(w² + ε) ⊙ ∇`` on the adaptive part (Alg. 1 lines 10, 12)."""
+        (mix) per block; ``(w² + ε) ⊙ ∇`` on the adaptive part (Alg. 1 lines 10, 12).
+
+        With ``ball_norm="adaptive"`` the ascent direction is the gradient of the
+        adaptive norm on every entry, ``Π((w² + ε) ⊙ ∇)``: normalising the block
+        metric's gradient by the elementwise norm instead put almost the whole budget
+        on the blocks and found 8× smaller maxima (App. G ablation (a))."""
+        if self.ball_norm == "adaptive":
+            conv = [self._block_c2(g) * e for g, e in zip(self.groups, egrad, strict=False)]
+            return self.proj(conv + [None])[:-1] + [self.c2 * egrad[-1]]
         conv = []
         for g, e in zip(self.groups, egrad, strict=False):
             rG, rH = gl.egrad2rgrad(e[:, : g.n], e[:, g.n :], g.grams, self.metric)
@@ -348,20 +367,26 @@ class ModelGeometry:
             if not g.chol:
                 gr = g.grams
                 a, b = (gr.P, gr.Q) if self.metric == "inv" else (gr.Q_inv, gr.P_inv)
-                g.chol = {"G": torch.linalg.cholesky(a), "H": torch.linalg.cholesky(b)}
-            z = torch.randn(g.x0.shape, generator=generator, dtype=self.dtype)
+                # factors of the float64 Grams, cast to the tangent dtype (float32 models)
+                g.chol = {"G": torch.linalg.cholesky(a).to(self.dtype),
+                          "H": torch.linalg.cholesky(b).to(self.dtype)}
+            # drawn on the generator's device (CPU by default), then moved: the same
+            # samples whatever device the model is on
+            z = torch.randn(g.x0.shape, generator=generator, dtype=self.dtype).to(g.x0.device)
             zG = z[:, : g.n] @ transpose(g.chol["G"])
             zH = z[:, g.n :] @ transpose(g.chol["H"])
             out.append(torch.cat([zG, zH], dim=-2))
-        zw = torch.randn(self.w0.shape, generator=generator, dtype=self.dtype) * self.c2.sqrt()
+        zw = torch.randn(self.w0.shape, generator=generator, dtype=self.dtype).to(
+            self.w0.device) * self.c2.sqrt()
         return [radius * a for a in self.proj(out + [zw])]
 
     # -- perturbed weights ----------------------------------------------------
     def perturbed_points(self, u: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         r"""Points reached from the base point along ``u`` by the chosen retractions.
 
-        GL blocks (second order, Eq. 5): ``x₀ + ξ − ½Γ_{x₀}(ξ, ξ)``; adaptive
-        weights (first order): ``w + ξ_w``.  Differentiable in ``u``.
+        GL blocks (second order, Eq. 5): ``x₀ + ξ − ½Γ_{x₀}(ξ, ξ)``, or the RK4 geodesic
+        (``exact``, :func:`~quotient_manifolds.geometry.gl.geodesic`, ``exact_steps``
+        steps); adaptive weights (first order): ``w + ξ_w``.  Differentiable in ``u``.
         """
         out = []
         for g, a in zip(self.groups, u, strict=False):
@@ -371,8 +396,10 @@ class ModelGeometry:
                 aG, aH = a[:, : g.n], a[:, g.n :]
                 cG, cH = gl.christoffel(g.G, g.H, aG, aH, None, None, g.grams, self.metric)
                 out.append(g.x0 + a - 0.5 * torch.cat([cG, cH], dim=-2))
-            else:
-                out.append(g.manifold.expmap(g.x0, a))
+            else:  # the base point's rank was checked once, in the constructor
+                yG, yH = gl.geodesic(g.G, g.H, a[:, : g.n], a[:, g.n :], self.metric, self.eps,
+                                     self.exact_steps)
+                out.append(torch.cat([yG, yH], dim=-2))
         w, xi = self.w0, u[-1]
         if self.adaptive_retraction == "first_order":
             out.append(w + xi)
@@ -416,7 +443,7 @@ class ModelGeometry:
         pieces = [params[e.name].reshape(-1) if e.index is None
                   else params[e.name].reshape(-1)[e.index] for e in self.entries]
         out.append(torch.cat([p.to(self.dtype) for p in pieces]) if pieces
-                   else torch.zeros(0, dtype=self.dtype))
+                   else torch.zeros(0, dtype=self.dtype, device=self.w0.device))
         return out
 
     # -- reporting -------------------------------------------------------------

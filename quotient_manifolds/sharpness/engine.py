@@ -30,6 +30,7 @@ from torch import nn
 from ..errors import EmptyDataError, InvalidRadiusError, NonFiniteError
 from ..models import BlockSpec, ModelGeometry
 from .apgd import apgd
+from .distributed import ShardContext, SplitFn, resolve_shard
 from .result import SharpnessResult
 from .tangent_ball import TangentBall
 
@@ -234,15 +235,24 @@ def _run(
     progress: bool,
     settings: dict,
     sampler: Callable | None = None,
+    shard: ShardContext | None = None,
 ) -> SharpnessResult:
     t0 = time.perf_counter()
+    shard = shard or ShardContext()
+    shard.check_same(geo.base_points)
     gen = torch.Generator()
-    gen.manual_seed(int(seed) if seed is not None else int(torch.seed() % (2**63)))
-    ev = _Evaluator(model, loss_fn)
+    gen.manual_seed(shard.common_seed(seed))
+    ev = shard.evaluator(_Evaluator(model, loss_fn))
     per, base_l, max_l, pnorm, norms, n_evals = [], [], [], [], [], 0
-    bar = _Progress(f"{method} sharpness", _len(data), progress)
+    done: list[int] = []
+    bar = _Progress(f"{method} sharpness", _len(data), progress and shard.main)
     with _eval_mode(model), torch.enable_grad():
         for b, batch in enumerate(data):
+            if not shard.owns(b):  # shard="batches": another rank solves this batch
+                if kind == "average":  # draw its samples, so later batches see the same ones
+                    for _ in range(n_iter):
+                        sampler(gen)
+                continue
             with torch.no_grad():
                 base = _finite(float(ev(geo.base, batch)), b, "at the unperturbed weights")
             prob = make_problem(ev, batch, b)
@@ -268,8 +278,16 @@ def _run(
             max_l.append(best)
             norms.append(nrm)
             pnorm.append(nrm.get("total", float("nan")))
+            done.append(b)
             bar.update(b)
     bar.close()
+    if shard.active:
+        recs, n_evals, elapsed = shard.gather(
+            list(zip(done, per, base_l, max_l, pnorm, norms, strict=True)), n_evals,
+            time.perf_counter() - t0)
+        done, per, base_l, max_l, pnorm, norms = (list(c) for c in zip(*recs, strict=True)) \
+            if recs else ([], [], [], [], [], [])
+        settings = {**settings, "shard": shard.mode, "world_size": shard.world_size}
     if not per:
         raise EmptyDataError(
             "data yielded no batch; pass a non-empty iterable of batches "
@@ -288,7 +306,7 @@ def _run(
         fallbacks=[f.to_dict() for f in geo.fallbacks],
         norms=norms,
         n_evals=n_evals,
-        elapsed_s=time.perf_counter() - t0,
+        elapsed_s=elapsed if shard.active else time.perf_counter() - t0,
     )
 
 
@@ -345,6 +363,10 @@ def geodesic_sharpness(
     declared: Iterable[BlockSpec] = (),
     allow_half: bool = False,
     ball_norm: str = "metric",
+    exact_steps: int = 8,
+    shard: str | None = None,
+    split_batch: SplitFn | None = None,
+    group=None,
 ) -> SharpnessResult:
     r"""Geodesic sharpness (paper Eq. 4, spec §7) of ``model`` on ``data``.
 
@@ -388,17 +410,40 @@ def geodesic_sharpness(
         step normalisation use ``‖ξ ⊘ |w|‖₂`` on every entry, GL blocks included,
         while ξ stays horizontal and the perturbation keeps its Γ term.  Worst case
         only.
+    exact_steps : int
+        RK4 steps of ``retraction="exact"`` (default 8, as ``GLQuotient``).  The error per
+        block is ``≲ 1.4e-3 (‖ξ‖/steps)⁴`` for unit-scale factors, so 4 steps (1.4× the
+        cost of the second-order retraction on MiniLM instead of 2×) suffice for small
+        radii; but the mix metric is not scale invariant, and on small weights a small
+        ``ρ`` can still be a long geodesic (``docs/benchmarks.md``: a tiny ViT at
+        ``ρ = 0.05`` needs 8).
+    shard : {None, "none", "batches", "within_batch"}
+        Data parallelism over the ranks of an initialised ``torch.distributed`` group
+        (``torchrun``; see ``docs/distributed.md``).  ``"batches"`` (the default when a
+        group of more than one rank exists): rank ``r`` solves the batches ``b ≡ r mod W``
+        and the records are gathered.  ``"within_batch"``: each rank takes a slice of every
+        batch; losses are combined as ``Σ_r (n_r/N) L_r`` (``loss_fn`` must return a mean
+        over its batch) and gradients of ξ summed over ranks.  Every rank returns the same
+        result; per-batch values equal a single-process run's (``within_batch``: to float
+        rounding).  Without a group, everything runs on this process.
+    split_batch : callable, optional
+        ``split_batch(batch, rank, world_size) -> (slice, n_examples)`` for
+        ``shard="within_batch"``; default: every tensor cut along dim 0.
+    group : ProcessGroup, optional
+        The process group (default: the world).
 
     Returns
     -------
     SharpnessResult
     """
     r = _common_checks(rho, kind, n_iter)
+    ctx = resolve_shard(shard, split_batch, group)
     if ball_norm == "adaptive" and kind != "worst":
         raise ValueError("ball_norm='adaptive' is an ablation of the worst case; use kind='worst'")
     geo = ModelGeometry(model, metric, eps=eps, retraction=retraction, adaptive_eps=adaptive_eps,
                         adaptive_retraction=adaptive_retraction, blocks=blocks,
-                        declared=declared, allow_half=allow_half, ball_norm=ball_norm)
+                        declared=declared, allow_half=allow_half, ball_norm=ball_norm,
+                        exact_steps=exact_steps)
     settings = dict(rho=r, metric=metric, retraction=retraction, kind=kind, n_iter=n_iter,
                     optimizer=None if optimizer is None else repr(optimizer), eps=eps, seed=seed,
                     adaptive_retraction=adaptive_retraction, adaptive_eps=adaptive_eps,
@@ -406,11 +451,13 @@ def geodesic_sharpness(
                     step_size=2 * r,
                     momentum=0.75, init="zero", masked_zero_weights=geo.n_masked_zeros,
                     geometry=geo.describe()["groups"])
+    if retraction == "exact":
+        settings["exact_steps"] = int(exact_steps)
     return _run(
         "geodesic", model, loss_fn, data, geo,
         lambda ev, batch, b: _GeodesicProblem(geo, r, ev, batch, b),
         rho=r, kind=kind, n_iter=n_iter, optimizer=optimizer, seed=seed, progress=progress,
-        settings=settings, sampler=lambda g: geo.sample(r, g),
+        settings=settings, sampler=lambda g: geo.sample(r, g), shard=ctx,
     )
 
 
@@ -430,12 +477,17 @@ def adaptive_sharpness(
     seed: int | None = None,
     progress: bool = True,
     allow_half: bool = False,
+    shard: str | None = None,
+    split_batch: SplitFn | None = None,
+    group=None,
 ) -> SharpnessResult:
     r"""Adaptive sharpness (Eq. 1; Andriushchenko et al. 2023, reference algorithm, spec §9).
 
     .. math::
 
         S = \mathbb E_S \Big[\max_{‖δ ⊘ |w|‖_p ≤ ρ} L_S(w + δ) − L_S(w)\Big]
+
+    Parameters not listed below are as in :func:`geodesic_sharpness`.
 
     Parameters
     ----------
@@ -453,10 +505,9 @@ def adaptive_sharpness(
     eps : float
         With ``eps = 0`` zero weights cannot move and are excluded; ``eps > 0``
         uses ``c = √(w² + eps)``.
-
-    Other parameters are as in :func:`geodesic_sharpness`.
     """
     r = _common_checks(rho, kind, n_iter)
+    ctx = resolve_shard(shard, split_batch, group)
     if norm not in ("l2", "linf"):
         raise ValueError(f"norm must be 'l2' or 'linf', got {norm!r}")
     if projection not in ("euclidean", "metric"):
@@ -479,10 +530,10 @@ def adaptive_sharpness(
 
     def sample(g):
         z = (torch.randn(c.shape, generator=g, dtype=c.dtype) if norm == "l2"
-             else torch.rand(c.shape, generator=g, dtype=c.dtype) * 2 - 1)
+             else torch.rand(c.shape, generator=g, dtype=c.dtype) * 2 - 1).to(c.device)
         return [r * c * z]
 
     res = _run("adaptive", model, loss_fn, data, geo, make, rho=r, kind=kind, n_iter=n_iter,
                optimizer=optimizer, seed=seed, progress=progress, settings=settings,
-               sampler=sample)
+               sampler=sample, shard=ctx)
     return res
