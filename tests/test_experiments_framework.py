@@ -158,3 +158,27 @@ def test_invariance_quick(tmp_path):
     for name in ("geodesic_inv", "geodesic_mix"):  # exact invariance (spec §11.3), float64
         assert all(abs(r - 1) < 1e-6 for r in inv["ratio"][name])
     assert (tmp_path / "invariance" / "ratio.png").stat().st_size > 1000
+
+
+def test_store_trains_only_missing_members_and_drops_stale_measures(tmp_path):
+    import torch
+
+    from quotient_manifolds.experiments import PopulationStore
+
+    store = PopulationStore(tmp_path, "pop")
+    calls = []
+
+    def train(h):
+        calls.append(h["x"])
+        return {"w": torch.full((2,), float(h["x"]))}, {"x": h["x"]}
+
+    store.train_missing(["a", "b"], [{"x": 1}, {"x": 2}], train, desc="t", progress=False)
+    store.save_measures("a", "p", {"m": {"0.1": 1.0}})
+    store.train_missing(["a", "b", "c"], [{"x": 1}, {"x": 2}, {"x": 3}], train, desc="t",
+                        progress=False)
+    assert calls == [1, 2, 3]
+    assert store.load_measures("a", "p") == {"m": {"0.1": 1.0}}
+    store.save_member("a", *train({"x": 4}))  # new weights under the same id
+    assert store.load_measures("a", "p") == {}
+    state, meta = store.load_member("a")
+    assert meta == {"x": 4} and state["w"].tolist() == [4.0, 4.0]

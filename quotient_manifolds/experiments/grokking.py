@@ -243,14 +243,11 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     mhash = protocol_hash(measure_protocol)
     ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
 
-    bar = tqdm(total=len(hypers), desc="grokking: train", file=sys.stderr, disable=not progress)
-    for mid, hyper in zip(ids, hypers):
-        if not store.has_member(mid):
-            model, meta = train_member(hyper, steps=train["steps_override"])
-            store.save_member(mid, model.state_dict(), meta)
-            (store.measures_dir / f"{mid}.json").unlink(missing_ok=True)  # stale measures
-        bar.update(1)
-    bar.close()
+    def train_one(hyper):
+        model, meta = train_member(hyper, steps=train["steps_override"])
+        return model.state_dict(), meta
+
+    store.train_missing(ids, hypers, train_one, desc="grokking: train", progress=progress)
 
     bar = tqdm(total=len(hypers) * len(tasks), desc="grokking: sharpness", file=sys.stderr,
                disable=not progress)

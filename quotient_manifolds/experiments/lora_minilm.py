@@ -488,15 +488,12 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     mhash = protocol_hash(measure_protocol)
     ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
 
-    bar = tqdm(total=len(hypers), desc=f"{NAME}: train", file=sys.stderr, disable=not progress)
-    metas = []
-    for mid, hyper in zip(ids, hypers):
-        if not store.has_member(mid):
-            model, meta = train_member(bert, hyper, data, steps=steps, batch=batch)
-            store.save_member(mid, dict(model.named_parameters()), meta)
-        metas.append(store.load_meta(mid))
-        bar.update(1)
-    bar.close()
+    def train_one(hyper):
+        model, meta = train_member(bert, hyper, data, steps=steps, batch=batch)
+        return dict(model.named_parameters()), meta
+
+    store.train_missing(ids, hypers, train_one, desc=f"{NAME}: train", progress=progress)
+    metas = [store.load_meta(mid) for mid in ids]
 
     settings = {"population": {"n_members": len(hypers), "sampler_seed": SAMPLER_SEED,
                                **(q["grid"] if q else GRID)},

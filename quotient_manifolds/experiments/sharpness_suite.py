@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -59,7 +58,6 @@ from ..errors import QuotientManifoldError
 __all__ = [
     "MEASURES",
     "MAIN_MEASURES",
-    "supports_ball_norm",
     "measure_rho",
     "measure_tasks",
     "measure_member",
@@ -100,13 +98,6 @@ def float32_default():
         yield
     finally:
         torch.set_default_dtype(prev)
-
-
-def supports_ball_norm() -> bool:
-    """Whether :func:`~quotient_manifolds.geodesic_sharpness` has the ``ball_norm`` option."""
-    from ..sharpness import geodesic_sharpness
-
-    return "ball_norm" in inspect.signature(geodesic_sharpness).parameters
 
 
 def measure_rho(name: str, rho: Mapping[str, float]) -> float:
@@ -193,7 +184,6 @@ def measure_member(
     values: dict = {k: dict(v) for k, v in cached.items()}
     m = copy.deepcopy(model).double() if float64 else model
     data = [_to64(b) for b in batches] if float64 else list(batches)
-    has_ball = supports_ball_norm()
     n_weights = sum(p.numel() for p in m.parameters() if p.requires_grad)
     for name, r in measure_tasks(rho, grid, names):
         key = repr(r)
@@ -202,19 +192,14 @@ def measure_member(
                 bar.update(1)
             continue
         method, kw = MEASURES[name]
-        kw = dict(kw)
-        if "ball_norm" in kw and not has_ball:
+        fn = adaptive_sharpness if method == "adaptive" else geodesic_sharpness
+        r_call = r / math.sqrt(n_weights) if kw["kind"] == "average" else r
+        try:
+            val = float(fn(m, loss_fn, data, rho=r_call, n_iter=n_iter, seed=seed,
+                           progress=False, **kw).value)
+        except QuotientManifoldError as e:  # e.g. rank-deficient head: recorded, not hidden
             val = math.nan
-            values.setdefault("_errors", {})[name] = "geodesic_sharpness has no ball_norm option"
-        else:
-            fn = adaptive_sharpness if method == "adaptive" else geodesic_sharpness
-            r_call = r / math.sqrt(n_weights) if kw["kind"] == "average" else r
-            try:
-                val = float(fn(m, loss_fn, data, rho=r_call, n_iter=n_iter, seed=seed,
-                               progress=False, **kw).value)
-            except QuotientManifoldError as e:  # e.g. rank-deficient head: recorded, not hidden
-                val = math.nan
-                values.setdefault("_errors", {})[name] = f"{type(e).__name__}: {e}"
+            values.setdefault("_errors", {})[name] = f"{type(e).__name__}: {e}"
         values.setdefault(name, {})[key] = val
         save(values)
         if bar is not None:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -78,9 +79,14 @@ class PopulationStore:
                 and (self.members_dir / f"{member_id}.safetensors").exists())
 
     def save_member(self, member_id: str, state: Mapping[str, torch.Tensor], meta: Mapping) -> None:
-        """Store weights (safetensors) first, then the metadata that marks the member done."""
+        """Store weights (safetensors) first, then the metadata that marks the member done.
+
+        Measures cached for an earlier member of the same id are removed: they belong to
+        other weights.
+        """
         from safetensors.torch import save_file
 
+        (self.measures_dir / f"{member_id}.json").unlink(missing_ok=True)
         target = self.members_dir / f"{member_id}.safetensors"
         fd, tmp = tempfile.mkstemp(dir=self.members_dir, prefix=f".{member_id}.", suffix=".tmp")
         os.close(fd)
@@ -94,6 +100,23 @@ class PopulationStore:
             raise
         atomic_write_text(self.members_dir / f"{member_id}.json",
                           json.dumps(dict(meta), indent=1, sort_keys=True, default=float))
+
+    def train_missing(
+        self,
+        ids: Sequence[str],
+        hypers: Sequence[Mapping],
+        train: Callable[[Mapping], tuple[Mapping[str, torch.Tensor], Mapping]],
+        *,
+        desc: str,
+        progress: bool = True,
+    ) -> None:
+        """Train and save every member not yet on disk; ``train(hyper) -> (state, meta)``."""
+        from tqdm.auto import tqdm
+
+        for mid, hyper in zip(tqdm(ids, desc=desc, file=sys.stderr, disable=not progress),
+                              hypers, strict=True):
+            if not self.has_member(mid):
+                self.save_member(mid, *train(hyper))
 
     def load_member(self, member_id: str) -> tuple[dict[str, torch.Tensor], dict]:
         """The weights and metadata of ``member_id``."""

@@ -289,15 +289,11 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     mhash = protocol_hash(measure_protocol)
     ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
 
-    bar = tqdm(total=len(hypers), desc="vit-digits: train", file=sys.stderr,
-               disable=not progress)
-    for mid, hyper in zip(ids, hypers):
-        if not store.has_member(mid):
-            model, meta = train_member(hyper, steps=train["steps_cap"])
-            store.save_member(mid, model.state_dict(), meta)
-            (store.measures_dir / f"{mid}.json").unlink(missing_ok=True)  # stale measures
-        bar.update(1)
-    bar.close()
+    def train_one(hyper):
+        model, meta = train_member(hyper, steps=train["steps_cap"])
+        return model.state_dict(), meta
+
+    store.train_missing(ids, hypers, train_one, desc="vit-digits: train", progress=progress)
 
     bar = tqdm(total=len(hypers) * len(tasks), desc="vit-digits: sharpness",
                file=sys.stderr, disable=not progress)
