@@ -249,6 +249,13 @@ def test_ball_norm_adaptive_ablation():
     expected = sum(((t / x0) ** 2).sum() for t, x0 in zip(xi[:-1], geo.base_points[:-1]))
     expected = expected + (xi[-1] ** 2 / geo.c2).sum()
     assert float(geo.ball_norm_of(xi)) == pytest.approx(float(expected.sqrt()), rel=1e-12)
+    # the ascent direction is the gradient of the ball norm, (w² + ε) ⊙ ∇, made horizontal
+    e = [torch.randn_like(x) for x in geo.base_points]
+    want = geo.proj([x0**2 * t for t, x0 in zip(e[:-1], geo.base_points[:-1])] + [e[-1]])
+    got = geo.rgrad(e)
+    for a, b in zip(got[:-1], want[:-1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got[-1], geo.c2 * e[-1])
     scaled = geo.scale_to_ball(xi, 0.01)
     assert float(geo.ball_norm_of(scaled)) == pytest.approx(0.01, rel=1e-12)
     with pytest.raises(ValueError, match="worst"):
