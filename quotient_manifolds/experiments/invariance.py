@@ -77,9 +77,9 @@ def loss_fn(model, batch) -> torch.Tensor:
     return ((cos - batch["label"]) ** 2).mean()
 
 
-def make_batch(tokenizer, n_pairs: int) -> dict:
-    """One batch of the first ``n_pairs`` pairs."""
-    chunk = PAIRS[:n_pairs]
+def make_batch(tokenizer, n_pairs: int, start: int = 0) -> dict:
+    """One batch of the pairs ``start … start + n_pairs − 1``."""
+    chunk = PAIRS[start : start + n_pairs]
     return {"a": dict(tokenizer([p[0] for p in chunk], padding=True, return_tensors="pt")),
             "b": dict(tokenizer([p[1] for p in chunk], padding=True, return_tensors="pt")),
             "label": torch.tensor([p[2] for p in chunk], dtype=torch.float64)}
