@@ -11,7 +11,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated")
     import geoopt  # noqa: F401
 
-from . import errors, geometry, landscape, manifolds, models, sharpness
+from . import errors, geometry, manifolds, models, sharpness
 from .errors import (
     BlockSpecError,
     DistributedError,
@@ -36,7 +36,13 @@ from .models import (
     discover_blocks,
     reparametrize,
 )
-from .sharpness import SharpnessResult, TangentBall, adaptive_sharpness, geodesic_sharpness
+from .sharpness import (
+    SharpnessResult,
+    TangentBall,
+    adaptive_sharpness,
+    geodesic_sharpness,
+    landscape,
+)
 
 __version__ = "0.1.0"
 

@@ -23,7 +23,7 @@ import torch
 from scipy.stats import kendalltau
 
 from quotient_manifolds.cli import main
-from quotient_manifolds.population import read_jsonl
+from quotient_manifolds.experiments.population import read_jsonl
 
 FACTORY = textwrap.dedent(
     """

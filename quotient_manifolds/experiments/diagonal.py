@@ -173,8 +173,8 @@ def train_population(configs: list[dict], X: torch.Tensor, y: torch.Tensor, *,
 
 
 def _landscape_figure(u, v, X, y, path: Path, n1: int = 81, n2: int = 41) -> dict:
-    from ..landscape import plot_slices, slice_1d, slice_2d
     from ..manifolds import DiagonalQuotient
+    from ..sharpness.landscape import plot_slices, slice_1d, slice_2d
 
     M = DiagonalQuotient("inv", "exact")
     x = M.pack_point(u, v)

@@ -126,7 +126,7 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     """Measure the toy along one orbit; write ``out/toy/`` results.json, toy.png, landscape.png."""
     from tqdm.auto import tqdm
 
-    from ..landscape import plot_slices, slice_1d, slice_2d
+    from ..sharpness.landscape import plot_slices, slice_1d, slice_2d
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ Imports only from :mod:`quotient_manifolds.manifolds`, ``geometry`` and ``errors
 
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block
 from .discovery import Fallback, discover, discover_blocks
-from .geometry import ModelGeometry
+from .model_geometry import ModelGeometry
 from .reparam import reparametrize
 
 __all__ = [

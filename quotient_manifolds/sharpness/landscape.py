@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import GeodesicDomainError
+from ..errors import GeodesicDomainError
 
 __all__ = ["slice_1d", "slice_2d", "plot_slices"]
 

@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
-from .manifolds import GLQuotient
-from .manifolds.checks import reference_geodesic
+from ..manifolds import GLQuotient
+from ..manifolds.checks import reference_geodesic
 
 __all__ = ["geometry_facts", "format_facts"]
 

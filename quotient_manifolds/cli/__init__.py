@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .symbolic import main as verify_main
+    from ..symbolic import main as verify_main
 
     return verify_main(args.rest)
 
@@ -29,7 +29,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _reproduce(args: argparse.Namespace) -> int:
     import torch
 
-    from .experiments.registry import ExperimentUnavailableError, combined_table, run_experiments
+    from ..experiments.registry import ExperimentUnavailableError, combined_table, run_experiments
 
     torch.set_num_threads(1)
     try:
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_help=False,
     )
     verify.set_defaults(func=_verify)
-    from .experiments.registry import EXPERIMENTS
+    from ..experiments.registry import EXPERIMENTS
 
     reproduce = sub.add_parser(
         "reproduce", help="run a paper experiment or population (issue 5) and print its tau table"

@@ -40,7 +40,6 @@ fix and exit status 2.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import hashlib
 import importlib
@@ -57,12 +56,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import PopulationInputError, QuotientManifoldError
+from ..errors import PopulationInputError
 
 __all__ = [
     "MEASURES",
     "PopulationInputError",
-    "add_subcommands",
     "append_jsonl",
     "correlate",
     "default_loss",
@@ -314,14 +312,9 @@ def _key(record: Mapping) -> str:
 
 
 def _measure(name: str, model, loss_fn, data, rho: float, n_iter: int, seed: int):
-    from .sharpness import adaptive_sharpness, geodesic_sharpness
+    from ..sharpness.measures import MEASURES as TABLE
 
-    if name == "adaptive":
-        return adaptive_sharpness(model, loss_fn, data, rho=rho, norm="l2", n_iter=n_iter,
-                                  seed=seed, progress=False)
-    return geodesic_sharpness(model, loss_fn, data, rho=rho, metric=name.split("-")[1],
-                              retraction="second_order", n_iter=n_iter, seed=seed,
-                              progress=False)
+    return TABLE[name].run(model, loss_fn, data, rho=rho, n_iter=n_iter, seed=seed)
 
 
 def evaluate_population(
@@ -441,7 +434,7 @@ def evaluate_population(
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -515,7 +508,7 @@ def correlate(
     the dict of ``correlation.json``: ``{"rows": [{"measure", "rho", "tau", "ci95", "p_value",
     "n", ...}], "members": [...], "unmatched": [...], "figures": [...]}``.
     """
-    from .experiments.stats import kendall_tau
+    from .stats import kendall_tau
 
     rp = Path(results)
     if not rp.is_file():
@@ -570,7 +563,7 @@ def correlate(
                    for name in names]
     blob = {"results": str(rp), "gaps": str(gaps), "n_members": len(mlist), "rows": rows,
             "members": mlist, "unmatched": unmatched, "figures": figures, "n_boot": n_boot}
-    from .experiments.store import atomic_write_text
+    from .store import atomic_write_text
 
     atomic_write_text(outdir / "correlation.json", json.dumps(blob, indent=1))
     return blob
@@ -614,111 +607,3 @@ def format_table(blob: Mapping) -> str:
         more = f" (+{len(blob['unmatched']) - 3} more)" if len(blob["unmatched"]) > 3 else ""
         lines.append(f"no gap for {len(blob['unmatched'])} checkpoint(s): {few}{more}")
     return "\n".join(lines)
-
-
-# -- command line ---------------------------------------------------------------------------
-def _measures_arg(text: str) -> list[str]:
-    names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in MEASURES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown measure(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MEASURES)}"
-        )
-    return names
-
-
-def _positive(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = math.nan
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number (e.g. 0.1)")
-    return v
-
-
-def _fail(cmd: str, e: BaseException) -> int:
-    msg = " ".join(str(e).split())
-    print(f"quotient-manifolds {cmd}: error: {msg}", file=sys.stderr)
-    return 2
-
-
-def _run_sharpness(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        info = evaluate_population(
-            args.checkpoints, model=args.model, data=args.data, loss=args.loss, out=args.out,
-            measures=args.measures, rho=args.rho, n_iter=args.n_iter, seed=args.seed,
-            dtype=args.dtype, device=args.device, progress=not args.no_progress,
-        )
-    except PopulationInputError as e:
-        return _fail("sharpness", e)
-    except QuotientManifoldError as e:
-        print(f"quotient-manifolds sharpness: error: {' '.join(str(e).split())} "
-              f"(finished results are kept in {args.out})", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        n = len(read_jsonl(args.out)) if Path(args.out).is_file() else 0
-        print(f"\nquotient-manifolds sharpness: interrupted; {n} finished result(s) are in "
-              f"{args.out}; run the same command again to resume", file=sys.stderr)
-        return 130
-    print(f"{info['done']} new result(s), {info['skipped']} skipped: {info['out']}")
-    return 0
-
-
-def _run_correlate(args: argparse.Namespace) -> int:
-    try:
-        blob = correlate(args.results, args.gaps, args.out, n_boot=args.n_boot,
-                         plots=not args.no_plots)
-    except PopulationInputError as e:
-        return _fail("correlate", e)
-    print(format_table(blob))
-    for f in blob["figures"]:
-        print(f"figure: {f}")
-    print(f"table: {Path(args.out if args.out is not None else Path(args.results).parent)}"
-          "/correlation.json")
-    return 0
-
-
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """Add ``sharpness`` and ``correlate`` to the ``quotient-manifolds`` parser."""
-    s = sub.add_parser(
-        "sharpness", help="sharpness of a population of checkpoints, one JSON line each",
-        description="Evaluate sharpness measures on checkpoint files; append one JSON line per "
-        "(checkpoint, measure) to --out. Re-running the same command resumes.",
-    )
-    s.add_argument("checkpoints", nargs="+", metavar="CKPT",
-                   help=".safetensors or torch.save(state_dict) files")
-    s.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
-                   help="function returning the nn.Module the checkpoints belong to")
-    s.add_argument("--data", required=True, metavar="MODULE:FUNCTION",
-                   help="function returning an iterable of batches (called per measurement)")
-    s.add_argument("--loss", metavar="MODULE:FUNCTION",
-                   help="loss_fn(model, batch) -> scalar; default model(**batch).loss for dict "
-                   "batches with labels, cross_entropy(model(x), y) for (x, y) batches")
-    s.add_argument("--measures", type=_measures_arg, default=list(MEASURES),
-                   help=f"comma-separated subset of {','.join(MEASURES)} (default: all)")
-    s.add_argument("--rho", type=_positive, default=0.1, help="radius of the ball (default 0.1)")
-    s.add_argument("--n-iter", type=int, default=20, help="APGD iterations (default 20)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--out", default="results.jsonl", help="results file (default results.jsonl)")
-    s.add_argument("--dtype", choices=["float32", "float64"],
-                   help="convert the model and floating batch tensors (default: as built)")
-    s.add_argument("--device", help="e.g. cuda; default: where the model factory puts it")
-    s.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.set_defaults(func=_run_sharpness)
-
-    c = sub.add_parser(
-        "correlate", help="Kendall tau of each measure against a gap, with scatter plots",
-        description="Kendall tau-b (bootstrap 95%% CI, p-value) of every measure in a results "
-        "file against the gaps of a CSV file with columns checkpoint,gap.",
-    )
-    c.add_argument("results", help="results file of 'quotient-manifolds sharpness'")
-    c.add_argument("gaps", help="CSV with a header 'checkpoint,gap'; checkpoint = path or stem")
-    c.add_argument("--out", help="folder for correlation.json and the PNGs (default: the "
-                   "results file's folder)")
-    c.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
-    c.add_argument("--no-plots", action="store_true", help="skip the scatter PNGs")
-    c.set_defaults(func=_run_correlate)
