@@ -20,6 +20,7 @@ __all__ = [
     "BlockSpecError",
     "DistributedError",
     "PopulationInputError",
+    "MissingDependencyError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
 ]
@@ -103,6 +104,15 @@ class PopulationInputError(QuotientManifoldError, ValueError):
 
     The message names the input and what to do; the command line prints it as one line and
     exits with status 2.
+    """
+
+
+class MissingDependencyError(QuotientManifoldError, ImportError):
+    """An optional package that a feature needs is not installed.
+
+    The message names the feature, the package and the `pip` line that installs it (the
+    extras of `pyproject.toml`: `hf`, `vision`, `plots`). The command line prints it as one
+    line and exits with status 2.
     """
 
 
