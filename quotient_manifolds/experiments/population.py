@@ -709,6 +709,8 @@ def evaluate_population(
                        "n_fallbacks": len(res.fallbacks),
                        "elapsed_s": round(time.perf_counter() - t0, 4),
                        "version": _version()}
+                if world > 1:
+                    rec.update(rank=rank, world_size=world)
                 if results.append(rec):
                     n_new += 1
                 else:  # another process wrote this pair meanwhile (two runs at once)
