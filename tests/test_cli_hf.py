@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +201,25 @@ def test_image_classifier_folder_with_pixel_values(tmp_path, monkeypatch, capsys
     # float64 pixels are cast to the float32 model; 2 batches (3 + 2 rows)
     assert rec["n_batches"] == 2 and rec["n_blocks"] == 2 and rec["value"] > 0
     assert rec["architecture"] == "ViTForImageClassification"
+
+
+def test_the_documented_example_runs(tmp_path, monkeypatch, capsys):
+    """docs/cli.md: the Python block makes the population, the bash block measures it."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    sec = text[text.index("### Hugging Face checkpoints, no code"):]
+    script = re.search(r"```python\n(.*?)```", sec, re.S).group(1)
+    commands = re.search(r"```bash\n(.*?)```", sec, re.S).group(1).replace("\\\n", " ")
+    monkeypatch.chdir(tmp_path)
+    transformers.utils.logging.disable_progress_bar()
+    exec(compile(script, "make_population.py", "exec"), {})
+    transformers.utils.logging.enable_progress_bar()
+    ran = 0
+    for line in commands.splitlines():
+        if line.startswith("quotient-manifolds "):
+            assert main([*shlex.split(line)[1:], "--no-progress"] if "sharpness" in line
+                        else shlex.split(line)[1:]) == 0, capsys.readouterr().err
+            ran += 1
+    assert ran == 2
+    recs = read_jsonl("results.jsonl")
+    assert len(recs) == 9 and len({r["key"] for r in recs}) == 9  # 3 checkpoints x 3 measures
+    assert "3 checkpoints with a gap" in capsys.readouterr().out
