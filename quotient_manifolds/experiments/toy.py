@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,9 +41,11 @@ __all__ = ["SETTINGS", "euclidean_sharpness", "gradient_norms", "run"]
 NAME = "toy"
 REQUIRES = ("matplotlib",)
 """Optional packages this experiment needs (checked before it runs)."""
-SETTINGS = {"x": 1.0, "y": 1.0, "orbit_c": 0.5, "alpha_range": [10 ** -1.5, 10 ** 1.5],
-            "n_alpha": 61, "rho": 0.1, "loss": "(G H x - y)^2"}
-QUICK = {"n_alpha": 9}
+SETTINGS: dict[str, Any] = {
+    "x": 1.0, "y": 1.0, "orbit_c": 0.5, "alpha_range": [10 ** -1.5, 10 ** 1.5],
+    "n_alpha": 61, "rho": 0.1, "loss": "(G H x - y)^2",
+}
+QUICK: dict[str, Any] = {"n_alpha": 9}
 
 
 def _loss(G, H, x, y):

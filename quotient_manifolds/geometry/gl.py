@@ -345,7 +345,7 @@ def _christoffel_mix_factor(
 ) -> torch.Tensor:
     # Γ(ξ,η)_G = ½[ξ_G(η_HᵀH + Hᵀη_H) + η_G(ξ_HᵀH + Hᵀξ_H)]Q⁻¹ − ½ G(ξ_Hᵀη_H + η_Hᵀξ_H)Q⁻¹
     # (quadratic form: ξ_G(ξ_HᵀH + Hᵀξ_H)Q⁻¹ − G ξ_Hᵀξ_H Q⁻¹)
-    if vF is None:
+    if vF is None or vK is None:  # the quadratic form (both are None together)
         S = transpose(uK) @ K
         return (uF @ ((S + transpose(S)) @ K_inv)) - F @ ((transpose(uK) @ uK) @ K_inv)
     Kt = transpose(K)
@@ -384,9 +384,8 @@ def christoffel(
     ``n×h×h`` products per factor.  The geodesic equation is ``γ̈ = −Γ_γ(γ̇, γ̇)``.
     """
     out_dt = uG.dtype
-    pair = vG is not None
     dt, (G, H, uG, uH) = _work(G, H, uG, uH)
-    if pair:
+    if vG is not None and vH is not None:
         vG, vH = vG.to(dt), vH.to(dt)
     if metric == "inv":
         cG = _christoffel_inv_factor(G, gr.P_inv.to(dt), uG, vG)
@@ -505,7 +504,7 @@ class _SpanRK4(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, P0, S0, T0, metric, eps, steps, h):  # type: ignore[override]
+    def forward(ctx, P0, S0, T0, metric, eps, steps, h):
         n2 = P0.shape[0]
         I = torch.eye(h, dtype=P0.dtype, device=P0.device)
         Z = torch.zeros_like(I)
@@ -524,7 +523,7 @@ class _SpanRK4(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, gX1):  # type: ignore[override]
+    def backward(ctx, gX1):
         metric, eps, dt, tape = ctx.metric, ctx.eps, ctx.dt, ctx.tape  # kept: retain_graph
         a = [gX1.contiguous()] + [torch.zeros_like(t) for t in tape[0][0][0][1:]]
         for ys, cs in reversed(tape):

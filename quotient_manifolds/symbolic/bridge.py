@@ -25,18 +25,25 @@ actually runs, and reach sizes where expanding rational functions is too slow
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import sympy as sp
 import torch
 
-from ..geometry import adaptive as ad
-from ..geometry import diagonal as dm
-from ..geometry import gl
+from ..geometry import adaptive as _ad
+from ..geometry import diagonal as _dm
+from ..geometry import gl as _gl
 from ..manifolds import DiagonalQuotient, GLQuotient
 from .checks import CheckResult, Outcome, run_check
 from .models import DiagonalModel, GLBlock, adaptive_metric
 from .riemann import CoordinateMetric, vertical_basis
+
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
+dm: Any = _dm
+ad: Any = _ad
 
 __all__ = [
     "NumericMetric",

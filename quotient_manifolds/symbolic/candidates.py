@@ -15,13 +15,19 @@ Horizontal ``Λ`` solvers share the signature of
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import sympy as sp
 from sympy.polys.matrices import DomainMatrix
 
-from ..geometry import gl
+from ..geometry import gl as _gl
 from .algebra import rational_field
+from .models import SymGrams
 from .tensor import SymTensor
+
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
 
 __all__ = [
     "LambdaSolver",
@@ -60,7 +66,7 @@ def solve_linear_matrix_equation(
     return sp.Matrix(*shape, sol)
 
 
-def _parts(G, H, uG, uH, gr: gl.Grams, metric: str):
+def _parts(G, H, uG, uH, gr: SymGrams, metric: str):
     P, Q = gr.P.to_matrix(), gr.Q.to_matrix()
     eps = getattr(gr, "eps", 0) or 0
     eye = sp.eye(P.shape[0])
@@ -68,7 +74,10 @@ def _parts(G, H, uG, uH, gr: gl.Grams, metric: str):
     return P, Q, P - eps * eye, Q - eps * eye, rhs
 
 
-def sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
+def sylvester_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "inv",
+) -> SymTensor:
     r"""inv ``Λ`` from the corrected Sylvester equation (spec §5.3.5, §14 item 3).
 
     .. math::
@@ -88,7 +97,10 @@ def sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTens
     return SymTensor(omega.T)
 
 
-def mix_relaxed_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "mix") -> SymTensor:
+def mix_relaxed_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "mix",
+) -> SymTensor:
     r"""mix ``Λ`` from ``Q Ω P̂ + Q̂ Ω P = C``, ``C = Hᵀ ξ_H P − Q ξ_Gᵀ G``, ``Λ = Ωᵀ``.
 
     The library documents this equation for ``ε > 0``; at ``ε = 0`` its
@@ -100,7 +112,10 @@ def mix_relaxed_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "mix") -> SymTe
     return SymTensor(omega.T)
 
 
-def paper_sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
+def paper_sylvester_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "inv",
+) -> SymTensor:
     r"""**Wrong on purpose**: the paper's printed ``AΛ + ΛAᵀ = B`` (spec §14 item 3)."""
     P, Q, _, _, B = _parts(G, H, uG, uH, gr, "inv")
     A = P * Q
@@ -108,7 +123,10 @@ def paper_sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> S
     return SymTensor(lam)
 
 
-def library_lambda(G, H, uG, uH, gr: gl.Grams, metric: str) -> SymTensor:
+def library_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str,
+) -> SymTensor:
     r"""The library's ``Λ`` (:func:`~quotient_manifolds.geometry.gl.horizontal_lambda`).
 
     * mix, ``ε = 0``: the library's closed form, run on SymPy inputs;
@@ -126,7 +144,10 @@ def library_lambda(G, H, uG, uH, gr: gl.Grams, metric: str) -> SymTensor:
     return sylvester_lambda(G, H, uG, uH, gr, metric)
 
 
-def christoffel_mix_without_h_part(G, H, uG, uH, vG, vH, gr: gl.Grams, metric: str):
+def christoffel_mix_without_h_part(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, vG: SymTensor, vH: SymTensor,
+    gr: SymGrams, metric: str,
+) -> tuple[SymTensor, SymTensor]:
     r"""**Wrong on purpose**: the library's Γ with the mix ``H`` part dropped.
 
     The paper prints only the ``G`` part of Eq. 12 and calls the ``H`` part
@@ -138,7 +159,10 @@ def christoffel_mix_without_h_part(G, H, uG, uH, vG, vH, gr: gl.Grams, metric: s
     return cG, cH
 
 
-def paper_inv_horizontal_residual(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
+def paper_inv_horizontal_residual(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "inv",
+) -> SymTensor:
     r"""**Wrong on purpose**: the paper's printed inv condition ``ξ_GᵀGQ = P Hᵀ ξ_Hᵀ``.
 
     Dimensionally inconsistent unless ``m = h`` (spec §14 item 2); where it

@@ -31,12 +31,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 
-from ..geometry import adaptive as ad
-from ..geometry import diagonal as dm
-from ..geometry import gl
+from ..geometry import adaptive as _ad
+from ..geometry import diagonal as _dm
+from ..geometry import gl as _gl
 from .algebra import ZeroTest, prove_equal, prove_zero
 from .candidates import library_lambda
 from .models import (
@@ -56,6 +57,12 @@ from .riemann import (
     vertical_basis,
 )
 from .tensor import SymTensor, scalar
+
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
+dm: Any = _dm
+ad: Any = _ad
 
 __all__ = [
     "CheckResult",
@@ -772,7 +779,9 @@ def check_projection_gl(
 # ---------------------------------------------------------------------------------
 # 6. Riemannian gradients (spec §5.2, §5.3.6)
 # ---------------------------------------------------------------------------------
-def diagonal_rgrad_unprojected(u, v, gu, gv, metric: str):
+def diagonal_rgrad_unprojected(
+    u: sp.Expr, v: sp.Expr, gu: sp.Expr, gv: sp.Expr, metric: str
+) -> tuple[sp.Expr, sp.Expr]:
     r"""Spec §5.2 before projection: inv ``(u²∂_u, v²∂_v)``, mix ``(∂_u/v², ∂_v/u²)``."""
     if metric == "inv":
         return u**2 * gu, v**2 * gv

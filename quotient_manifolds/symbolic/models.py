@@ -20,14 +20,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import sympy as sp
 
-from ..geometry import gl
+from ..geometry import gl as _gl
 from .riemann import CoordinateMetric
 from .tensor import SymTensor
 
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
+
+SymGrams = Any
+"""A `gl.Grams` whose fields are `SymTensor` (the torch kernels accept it by duck typing)."""
+
 __all__ = [
+    "SymGrams",
     "METRICS",
     "DiagonalModel",
     "GLBlock",
@@ -144,7 +153,7 @@ class DiagonalModel:
         return SymTensor(list(values))
 
 
-def code_grams(G: sp.Matrix, H: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> gl.Grams:
+def code_grams(G: sp.Matrix, H: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> SymGrams:
     r"""The library's :class:`~quotient_manifolds.geometry.gl.Grams` for symbolic factors.
 
     ``P = GᵀG + εI``, ``Q = HᵀH + εI`` and their exact inverses ``adj/det``
@@ -158,7 +167,7 @@ def code_grams(G: sp.Matrix, H: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> gl.Grams
     return abstract_grams(P, Q, eps)
 
 
-def abstract_grams(P: sp.Matrix, Q: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> gl.Grams:
+def abstract_grams(P: sp.Matrix, Q: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> SymGrams:
     """A Gram tuple from given ``P`` and ``Q`` (e.g. matrices of free symbols)."""
     values = {
         "P": SymTensor(P),
@@ -242,7 +251,9 @@ class GLBlock:
         k = self.n * self.h
         return sp.Matrix(self.n, self.h, x[:k]), sp.Matrix(self.m, self.h, x[k:])
 
-    def grams(self, G: sp.Matrix | None = None, H: sp.Matrix | None = None):
+    def grams(
+        self, G: sp.Matrix | None = None, H: sp.Matrix | None = None
+    ) -> tuple[sp.Matrix, sp.Matrix]:
         """``P = GᵀG + εI`` and ``Q = HᵀH + εI``."""
         G = self.G if G is None else G
         H = self.H if H is None else H
@@ -315,7 +326,7 @@ class GLBlock:
         return self.vec(*self.act(A, *self.unvec(x)))
 
     # -- library side -------------------------------------------------------------------
-    def code_grams(self) -> gl.Grams:
+    def code_grams(self) -> SymGrams:
         """The library's Gram tuple at the block's own symbols (see :func:`code_grams`)."""
         return code_grams(self.G, self.H, self.eps)
 

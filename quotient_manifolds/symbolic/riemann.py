@@ -240,9 +240,9 @@ class CoordinateMetric:
         dg: dict[tuple[int, int, int], FracElement] = {}
         for c in range(n):
             for i, j in nz:
-                d = g[i][j].diff(gens[c])
-                if d != 0:
-                    dg[c, i, j] = dg[c, j, i] = d
+                dgij = g[i][j].diff(gens[c])
+                if dgij != 0:
+                    dg[c, i, j] = dg[c, j, i] = dgij
 
         def d(c: int, i: int, j: int) -> FracElement:
             return dg.get((c, i, j), K.zero)
