@@ -297,7 +297,7 @@ def merge_lora(model: LoraClassifier) -> LoraClassifier:
     dense bias, which no block contains and LoRA does not train) stays a buffer.
     """
     m = copy.deepcopy(model)
-    for layer in cast(nn.ModuleList, m.layers):
+    for layer in m.layers:
         att = layer.get_submodule("attention")
         for parent, attr in ((att.get_submodule("self"), "query"),
                              (att.get_submodule("self"), "key"),
