@@ -89,7 +89,7 @@ MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix")
 """The default measures: adaptive sharpness (Eq. 1, ℓ2 ball, reference algorithm) and
 geodesic sharpness (Eq. 4) with the `inv` or `mix` metric and the second-order retraction
 (Eq. 5). Any name of the measure table
-([`MEASURES`][quotient_manifolds.sharpness.measures.MEASURES]) may be asked for."""
+(`quotient_manifolds.sharpness.measures.MEASURES`) may be asked for."""
 
 
 def measure_names() -> list[str]:
@@ -534,7 +534,7 @@ def evaluate_population(
         [`default_loss`][quotient_manifolds.experiments.population.default_loss].
     measures : sequence of str
         Names of the measure table
-        ([`MEASURES`][quotient_manifolds.sharpness.measures.MEASURES]).
+        (`quotient_manifolds.sharpness.measures.MEASURES`).
     rho, n_iter, seed
         The radius, Auto-PGD iterations and seed of every measurement.
     dtype : {"float32", "float64"}, optional
