@@ -117,6 +117,6 @@ class SymmetryFallbackWarning(UserWarning):
 class NoBlocksWarning(UserWarning):
     """No GL block was found in a model; every weight uses the adaptive geometry.
 
-    Declare blocks with :func:`quotient_manifolds.declare_block` if the model
-    has symmetries that discovery does not know about.
+    Declare blocks with [`quotient_manifolds.declare_block`][quotient_manifolds.declare_block] if
+    the model has symmetries that discovery does not know about.
     """

@@ -71,8 +71,8 @@ def kendall_tau(
 def _bootstrap_taus(xa: np.ndarray, ya: np.ndarray, draws: list[np.ndarray]) -> list[float]:
     r"""τ-b of every resample ``(xa[i], ya[i])``, vectorised; equal to ``kendalltau``'s.
 
-    With pair signs ``S^x_{ab} = sign(x_a − x_b)``, τ-b is
-    ``Σ_{a<b} S^x S^y / √((n₀ − n_x)(n₀ − n_y))``, ``n₀ = n(n−1)/2`` and ``n_x`` the
+    With pair signs $S^x_{ab} = \operatorname{sign}(x_a - x_b)$, τ-b is
+    $Σ_{a<b} S^x S^y / √((n_{0} - n_x)(n_{0} - n_y))$, ``n₀ = n(n−1)/2`` and ``n_x`` the
     pairs tied in x (repeated members of a resample are ties).  NaN (dropped) when a
     side is constant.  ~100× faster than calling ``scipy.stats.kendalltau`` per resample.
     """

@@ -1,13 +1,13 @@
 r"""Candidate formulas that the checks accept as arguments.
 
-Every check in :mod:`quotient_manifolds.symbolic.checks` takes the formula
+Every check in [`symbolic.checks`][quotient_manifolds.symbolic.checks] takes the formula
 under test as an argument, with the library's kernel as default.  This module
 holds the symbolic glue for the one kernel that cannot run on SymPy directly,
 and the deliberately *wrong* variants (the paper's printed typos, spec §14)
 that the checker must reject.
 
 Horizontal ``Λ`` solvers share the signature of
-:func:`quotient_manifolds.geometry.gl.horizontal_lambda` minus ``basis``:
+[`geometry.gl.horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda] minus ``basis``:
 ``(G, H, uG, uH, gr, metric) -> Λ``; the projection is then
 ``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (spec §5.3.5).
 """
@@ -71,12 +71,12 @@ def _parts(G, H, uG, uH, gr: gl.Grams, metric: str):
 def sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
     r"""inv ``Λ`` from the corrected Sylvester equation (spec §5.3.5, §14 item 3).
 
-    .. math::
-
-        AΩ + ΩA = B,\quad A = PQ,\quad B = P Hᵀ ξ_H − ξ_Gᵀ G Q,\quad Λ = Ωᵀ,
+    $$
+    AΩ + ΩA = B,\quad A = PQ,\quad B = P H^{\top} ξ_H - ξ_G^{\top} G Q,\quad Λ = Ω^{\top},
+    $$
 
     with ``B`` computed by the library's
-    :func:`~quotient_manifolds.geometry.gl.horizontal_residual` and the
+    [`horizontal_residual`][quotient_manifolds.geometry.gl.horizontal_residual] and the
     equation solved exactly.  With the relaxation ``ε`` the library documents
     ``(P Q̂) Ω + Ω (P̂ Q) = B`` with ``P̂ = P − εI``, ``Q̂ = Q − εI``; that is
     what is solved (it is the boxed equation at ``ε = 0``).  The torch solver
@@ -109,14 +109,16 @@ def paper_sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> S
 
 
 def library_lambda(G, H, uG, uH, gr: gl.Grams, metric: str) -> SymTensor:
-    r"""The library's ``Λ`` (:func:`~quotient_manifolds.geometry.gl.horizontal_lambda`).
+    r"""The library's ``Λ``
+    ([`horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda]).
 
     * mix, ``ε = 0``: the library's closed form, run on SymPy inputs;
     * otherwise the library solves a Sylvester-type equation in an
       eigenbasis (``torch.linalg.eigh``), which has no useful closed form;
       the equation it documents is solved exactly instead
-      (:func:`sylvester_lambda`, :func:`mix_relaxed_lambda`), and the numeric
-      projection bridge confirms that the torch solver returns its solution.
+      ([`sylvester_lambda`][quotient_manifolds.symbolic.candidates.sylvester_lambda],
+      [`mix_relaxed_lambda`][quotient_manifolds.symbolic.candidates.mix_relaxed_lambda]), and the
+      numeric projection bridge confirms that the torch solver returns its solution.
     """
     eps = getattr(gr, "eps", 0) or 0
     if metric == "mix":

@@ -1,8 +1,8 @@
 r"""The derivations as Markdown with SymPy-rendered LaTeX (``--latex``).
 
-:func:`derivations_markdown` derives every object shown from the metric with
-:mod:`quotient_manifolds.symbolic.riemann` and renders it with
-``sympy.latex``; the paper's printed equations and the library's (corrected)
+[`derivations_markdown`][quotient_manifolds.symbolic.latex.derivations_markdown] derives every
+object shown from the metric with [`symbolic.riemann`][quotient_manifolds.symbolic.riemann] and
+renders it with ``sympy.latex``; the paper's printed equations and the library's (corrected)
 matrix formulas are placed next to them.  ``docs/derivations.md`` is this
 output plus the runtime table of ``python -m quotient_manifolds.symbolic
 --markdown``.
@@ -30,7 +30,7 @@ __all__ = ["derivations_markdown", "pretty_names"]
 
 
 def pretty_names(symbols: Iterable[sp.Symbol]) -> dict[sp.Symbol, str]:
-    r"""LaTeX names for the package's ASCII symbols (``xiG_00`` → ``\xi^{G}_{00}``)."""
+    r"""LaTeX names for the package's ASCII symbols (``xiG_00`` → $\xi^{G}_{00}$)."""
     out = {}
     for s in symbols:
         m = re.fullmatch(r"(xi|eta|zeta|dL)(G|H|_u|_v|_G|_H)_?(\d*)", s.name)

@@ -4,15 +4,15 @@ Each model writes down, independently of the library code, what the paper and
 the spec *define*: the coordinates, the metric as a quadratic form (spec
 §5.2 Eq. 6/7, §5.3.3 Eq. 9/10, §5.4 Eq. 18) and the group action (spec §3.3,
 §3.4).  Everything else (Christoffel symbols, vertical and horizontal spaces)
-is derived from these by :mod:`quotient_manifolds.symbolic.riemann`.
+is derived from these by [`symbolic.riemann`][quotient_manifolds.symbolic.riemann].
 
 Coordinate order follows the library's packed tensors, so a coordinate
 vector is the ``flatten()`` of a point:
 
-* :class:`DiagonalModel`: ``(u_0 … u_{d-1}, v_0 … v_{d-1})``, i.e. rows
-  ``u``, ``v`` of a ``(2, d)`` point of ``DiagonalQuotient``;
-* :class:`GLBlock`: ``G`` row-major then ``H`` row-major, i.e. the
-  ``(n + m, h)`` point of ``GLQuotient``.
+* [`DiagonalModel`][quotient_manifolds.symbolic.models.DiagonalModel]: $(u_0 \dots u_{d-1}, v_0
+  \dots v_{d-1})$, i.e. rows ``u``, ``v`` of a ``(2, d)`` point of ``DiagonalQuotient``;
+* [`GLBlock`][quotient_manifolds.symbolic.models.GLBlock]: ``G`` row-major then ``H`` row-major,
+  i.e. the ``(n + m, h)`` point of ``GLQuotient``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class DiagonalModel:
         return list(xu) + list(xv)
 
     def unvec(self, x: Sequence[sp.Expr]) -> tuple[list[sp.Expr], list[sp.Expr]]:
-        """Inverse of :meth:`vec`."""
+        """Inverse of [`vec`][quotient_manifolds.symbolic.models.DiagonalModel.vec]."""
         x = list(x)
         return x[: self.d], x[self.d :]
 
@@ -140,12 +140,13 @@ class DiagonalModel:
         return [s * a for a, s in zip(u, alpha)] + [a / s for a, s in zip(v, alpha)]
 
     def sym(self, values: Sequence[sp.Expr]) -> SymTensor:
-        """A ``(d,)`` :class:`SymTensor` for the library's elementwise kernels."""
+        """A ``(d,)`` [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor] for the
+        library's elementwise kernels."""
         return SymTensor(list(values))
 
 
 def code_grams(G: sp.Matrix, H: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> gl.Grams:
-    r"""The library's :class:`~quotient_manifolds.geometry.gl.Grams` for symbolic factors.
+    r"""The library's [`Grams`][quotient_manifolds.geometry.gl.Grams] for symbolic factors.
 
     ``P = GᵀG + εI``, ``Q = HᵀH + εI`` and their exact inverses ``adj/det``
     (the code computes them from a Cholesky factor).  Cholesky factors are not
@@ -189,7 +190,7 @@ def adaptive_metric(eps: sp.Expr) -> tuple[sp.Symbol, CoordinateMetric]:
 
 @dataclass(frozen=True)
 class GLBlock:
-    r"""A GL(h) block ``(G, H)``, ``G ∈ R^{n×h}``, ``H ∈ R^{m×h}`` (spec §3.3, §5.3).
+    r"""A GL(h) block ``(G, H)``, $G \in R^{n\times h}$, $H \in R^{m\times h}$ (spec §3.3, §5.3).
 
     Parameters
     ----------
@@ -237,7 +238,7 @@ class GLBlock:
         return list(XG) + list(XH)
 
     def unvec(self, x: Sequence[sp.Expr]) -> tuple[sp.Matrix, sp.Matrix]:
-        """Inverse of :meth:`vec`."""
+        """Inverse of [`vec`][quotient_manifolds.symbolic.models.GLBlock.vec]."""
         x = list(x)
         k = self.n * self.h
         return sp.Matrix(self.n, self.h, x[:k]), sp.Matrix(self.m, self.h, x[k:])
@@ -289,7 +290,7 @@ class GLBlock:
         return (MG * xG.T * eG).trace() + (MH * xH.T * eH).trace()
 
     def coordinate_metric(self, metric: str) -> CoordinateMetric:
-        """Eq. 9/10 as an ``(n+m)h × (n+m)h`` SymPy matrix, ``g_{μν} = ⟨e_μ, e_ν⟩``."""
+        r"""Eq. 9/10 as an ``(n+m)h × (n+m)h`` SymPy matrix, $g_{μν} = \langle e_μ, e_ν\rangle$."""
         _check_metric(metric)
         return CoordinateMetric.from_bilinear_form(
             lambda x, y: self.metric_form(metric, self.unvec(x), self.unvec(y)),
@@ -316,7 +317,8 @@ class GLBlock:
 
     # -- library side -------------------------------------------------------------------
     def code_grams(self) -> gl.Grams:
-        """The library's Gram tuple at the block's own symbols (see :func:`code_grams`)."""
+        """The library's Gram tuple at the block's own symbols (see
+        [`code_grams`][quotient_manifolds.symbolic.models.GLBlock.code_grams])."""
         return code_grams(self.G, self.H, self.eps)
 
     def sym(self, M: sp.Matrix) -> SymTensor:
