@@ -36,6 +36,7 @@ RST_TABLE = re.compile(r"={3,}[ \t]+={3,}")  # simple-table borders
 RST_LINK = re.compile(r"</code>_|`_")  # `text <url>`_
 RST_HEADING = re.compile(r"(?:^|\n)\s*[-=~^]{4,}\s*(?:\n|$)")  # an underline left as text
 MD_REF = re.compile(r"\[[^\]\n]+\]\[[^\]\n]*\]")  # [title][identifier] that did not resolve
+ATTR_LIST = re.compile(r"\{:?\s*[#.][\w-]+\s*\}")  # "{ #id }" that attr_list did not consume
 EXTERNAL_ASSET = re.compile(
     r"<(?:script|img|iframe)\b[^>]*\bsrc=\"(?:https?:)?//|"
     r"<link\b[^>]*\bhref=\"(?:https?:)?//[^\"]*\"[^>]*>"
@@ -93,6 +94,7 @@ def _problems(page_html: str) -> list[str]:
         ("RST link", RST_LINK, article),
         ("RST heading underline / unparsed section", RST_HEADING, prose),
         ("unresolved cross-reference", MD_REF, prose),
+        ("attribute list left as text", ATTR_LIST, prose),
     ]:
         for m in rx.finditer(where):
             line = where[max(0, m.start() - 60): m.end() + 60].replace("\n", " ")
@@ -139,6 +141,7 @@ def test_checker_catches_raw_markup():
         "<p>===== =====</p>",
         "<p>the maths $$ x $$ stays raw</p>",
         "<p>see [GLQuotient][quotient_manifolds.nowhere]</p>",
+        "<p><strong>Title</strong> { #title }</p>",
         '<p><a href="https://x.org">x</a></p><script src="https://cdn.x/mj.js"></script>',
     ]
     for snippet in bad:
