@@ -37,7 +37,7 @@ class RankDeficientError(QuotientManifoldError, ArithmeticError):
     """A factor of a GL(h) block does not have full column rank.
 
     The quotient geometry needs invertible Gram matrices ``GᵀG`` and ``HᵀH``.
-    Pass ``eps > 0`` to use the relaxation ``GᵀG + eps·I`` (spec §5.3.1).
+    Pass ``eps > 0`` to use the [relaxation][eps-relaxation] ``GᵀG + eps·I``.
     """
 
 

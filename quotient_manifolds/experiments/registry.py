@@ -1,4 +1,4 @@
-r"""The experiments of issue 5 by command-line name, and a runner for several of them.
+r"""The reproductions of the paper by command-line name, and a runner for several of them.
 
 Every experiment is a module ``quotient_manifolds.experiments.<module>`` with
 

@@ -1,6 +1,6 @@
 r"""``results.json`` and the τ table / scatter figures shared by every experiment.
 
-Schema (issue 5):
+Schema:
 
 ```text
 {"experiment": str, "n_members": int, "gap": str,

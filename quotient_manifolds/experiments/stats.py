@@ -1,7 +1,7 @@
 r"""Rank correlation with uncertainty: Kendall τ, bootstrap CI and p-value.
 
 The paper's claim is a table of Kendall τ between a sharpness measure and the
-generalisation gap (spec §12; Jiang et al. 2020). τ is ``scipy.stats.kendalltau``
+generalisation gap (paper §5, Table 1; Jiang et al. 2020). τ is ``scipy.stats.kendalltau``
 (τ-b, ties handled); the p-value is its two-sided test of τ = 0; the 95 % interval is
 the percentile bootstrap over members (pairs resampled with replacement).
 """

@@ -6,11 +6,11 @@ Layout under ``DIR/<experiment>/``:
 members/<id>.safetensors   trained weights
 members/<id>.json          hyperparameters, train/test metrics, gap
 measures/<id>.json         sharpness values of the member, keyed by the protocol hash
-results.json               the summary (:func:`quotient_manifolds.experiments.report`)
+results.json               the summary (quotient_manifolds.experiments.report)
 ```
 
 Every file is written to a temporary name in the same folder and moved into place with
-`os.replace`, so a crash or Ctrl-C never leaves a half-written file, and a re-run
+``os.replace``, so a crash or Ctrl-C never leaves a half-written file, and a re-run
 skips every member (and every measure) that is already on disk.
 """
 

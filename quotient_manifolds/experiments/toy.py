@@ -1,4 +1,4 @@
-r"""The scalar toy of Fig. 1 (spec §3.4a, §5.4, §6.4.2, §10.3).
+r"""The scalar toy of Fig. 1 (App. D: Eq. 18 and the closed forms of Eqs. 19–22).
 
 Model ``x ↦ θ₂θ₁x`` (written ``G H x``, App. D) on one data point ``(x, y) = (1, 1)`` with
 the square loss ``L = (GHx − y)²``.  The symmetry ``(G, H) ↦ (G/α, αH)`` moves a point

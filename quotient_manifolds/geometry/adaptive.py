@@ -1,7 +1,8 @@
 r"""Pure tensor kernels for the elementwise "adaptive" geometry.
 
 Each weight ``w`` carries the one-dimensional metric ``ξ² / (w² + ε)``: the
-GL(1) re-scaling metric that adaptive sharpness uses (spec §6.6, §7.3).  With
+GL(1) re-scaling metric that adaptive sharpness uses (App. F; App. C.1 applies it to every
+weight outside a GL block).  With
 ``ε = 0``, ``‖ξ‖ = ‖ξ ⊘ |w|‖₂`` and the geodesic is $w e^{ξ/w}$.
 """
 

@@ -2,8 +2,8 @@ r"""Pure tensor kernels for diagonal networks ``β = u ⊙ v`` with symmetry GL(
 
 Points are pairs ``(u, v)`` of equal shape with nonzero entries; tangent
 vectors are pairs ``(ξ_u, ξ_v)``.  All operations are elementwise, so every
-leading dimension is a batch dimension.  Formulas: spec §5.2 (metrics,
-horizontal space, gradients) and §6.4.1 (geodesics).
+leading dimension is a batch dimension.  Formulas: §5.1 of the paper (metrics
+Eq. 6/7, geodesics Eq. 24) and [Derivations][derivations-diagonal].
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def christoffel(
     yv: torch.Tensor,
     metric: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Symmetric bilinear Christoffel form ``Γ(ξ, η)`` (spec §6.4.1).
+    r"""Symmetric bilinear Christoffel form ``Γ(ξ, η)``.
 
     inv: ``Γ_u = −ξ_u η_u / u``, ``Γ_v = −ξ_v η_v / v``.
 

@@ -6,7 +6,7 @@ here takes the two factors (and tangent components) separately, batches over
 all leading dimensions and never loops over blocks.  The thin manifold class
 in `manifolds.gl_quotient` packs and unpacks them.
 
-Notation (spec §1.3): ``P = GᵀG + εI`` and ``Q = HᵀH + εI`` are the (relaxed)
+Notation: ``P = GᵀG + εI`` and ``Q = HᵀH + εI`` are the ([relaxed][eps-relaxation])
 Gram matrices.  Gram matrices, their factorisations and all ``h×h`` solves run
 in float64 whatever the input dtype; the large ``n×h`` products run in float32
 (float64 for float64 inputs), and results come back in the dtype of the tangent
@@ -56,7 +56,8 @@ class Grams(NamedTuple):
 
 
 class SylvesterBasis(NamedTuple):
-    r"""Diagonalising bases of the projection equation for ``Ω = Λᵀ`` (spec §5.3.5).
+    r"""Diagonalising bases of the projection equation for ``Ω = Λᵀ``
+    ([derivation][sylvester-equation]).
 
     The equation becomes elementwise in ``Ω̃ = S⁻¹ Ω T``:
     ``Ω = S ((S⁻¹ C T) ⊘ denom) T⁻¹``.
@@ -138,7 +139,7 @@ def sylvester_basis(gr: Grams, metric: str) -> SylvesterBasis:
     * inv: ``(P Q̂) Ω + Ω (P̂ Q) = B``, ``B = P Hᵀ ξ_H − ξ_Gᵀ G Q``.  At ``ε = 0``
       this is the corrected Sylvester equation ``AΩ + ΩA = B``, ``A = PQ``.
       ``PQ̂ = S D₁ S⁻¹`` with ``S = L_P U₁`` from ``L_Pᵀ Q̂ L_P = U₁ D₁ U₁ᵀ``
-      (the eigendecomposition solver of spec §5.3.5, with the Cholesky factor
+      (the [eigendecomposition solver][sylvester-equation], with the Cholesky factor
       in place of $P^{1/2}$), and ``P̂Q = T D₂ T⁻¹`` with ``T = L_Q⁻ᵀ U₂``
       from ``L_Qᵀ P̂ L_Q = U₂ D₂ U₂ᵀ`` (at ``ε = 0``, ``T = S``).
     * mix: ``Q Ω P̂ + Q̂ Ω P = C``, ``C = Hᵀ ξ_H P − Q ξ_Gᵀ G``.  ``Q, Q̂`` and
@@ -189,7 +190,7 @@ def inner(
     gr: Grams,
     metric: str,
 ) -> torch.Tensor:
-    r"""The metric (spec §5.3.3, Eq. 9/10).
+    r"""The metric (Eq. 9/10).
 
     $$
     \langle η, ζ\rangle ^{\text{inv}} = \operatorname{Tr}(P^{-1} η_G^{\top} ζ_G + Q^{-1} η_H^{\top}
@@ -222,7 +223,8 @@ def horizontal_residual(
     gr: Grams,
     metric: str,
 ) -> torch.Tensor:
-    r"""The ``h×h`` matrix (float64) that vanishes exactly on horizontal vectors (spec §5.3.4).
+    r"""The ``h×h`` matrix (float64) that vanishes exactly on horizontal vectors
+    ([derivation][inv-horizontal]).
 
     inv: ``P Hᵀ ξ_H − ξ_Gᵀ G Q``;  mix: ``Gᵀ ξ_G Q − P ξ_Hᵀ H``.
     """
@@ -281,7 +283,7 @@ def horizontal_lambda(
 def vertical(
     G: torch.Tensor, H: torch.Tensor, lam: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The vertical vector ``(GΛ, −HΛᵀ)`` (spec §5.3.2), in the dtype of ``G``."""
+    r"""The vertical vector ``(GΛ, −HΛᵀ)`` ([derivation][vertical-space]), in the dtype of ``G``."""
     lam = lam.to(G.dtype)
     return G @ lam, -(H @ transpose(lam))
 
@@ -295,7 +297,8 @@ def project(
     metric: str,
     basis: SylvesterBasis | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Metric-orthogonal projection onto the horizontal space (spec §5.3.5).
+    r"""Metric-orthogonal projection onto the horizontal space
+    ([derivation][horizontal-projection]).
 
     ``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` with ``Λ`` from
     [`horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda]. Returned in the dtype
@@ -313,7 +316,7 @@ def egrad2rgrad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Riemannian gradient in the total space, before the horizontal projection.
 
-    inv: ``(∇_G P, ∇_H Q)``; mix: ``(∇_G Q⁻¹, ∇_H P⁻¹)`` (spec §5.3.6).
+    inv: ``(∇_G P, ∇_H Q)``; mix: ``(∇_G Q⁻¹, ∇_H P⁻¹)`` (Alg. 1 line 10, App. C.2).
     For a GL-invariant loss the result is already horizontal.
     """
     out_dt = gG.dtype
@@ -368,7 +371,8 @@ def christoffel(
     gr: Grams,
     metric: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The symmetric bilinear Christoffel form ``Γ_x(u, v)`` (spec §6.5).
+    r"""The symmetric bilinear Christoffel form ``Γ_x(u, v)`` (Eq. 11/12;
+    [derivation][christoffel-forms]).
 
     With ``v = None`` this is the quadratic form ``Γ_x(u, u)`` of Eq. 11 (inv)
 
@@ -570,7 +574,8 @@ def geodesic(
     \dot S = T - PA - SB,\quad \dot T = -(S^{\top}A + TB) - (S^{\top}A + TB)^{\top} .
     $$
 
-    RK4 with ``steps`` fixed steps integrates it (spec §6.5.5): every stage costs
+    RK4 with ``steps`` fixed steps integrates it (beyond the paper, which has no closed form
+    and uses the second-order retraction of Eq. 5): every stage costs
     ``O(h³)`` instead of the ``O(n h²)`` of RK4 on ``(γ, γ̇)`` in the full space, with no
     validation and no host sync; ``n×h`` products occur only at the start (``P, S, T``, in
     float64) and at the end ($γ(1) = F_{0} X_{\text{top}} + u_F X_{\text{bottom}}$).  The states run

@@ -1,4 +1,4 @@
-r"""Symbolic verification of the quotient geometry with SymPy (spec §5, §6, §10, §14).
+r"""Symbolic verification of the quotient geometry with SymPy.
 
 The library proves its own formulas: every Christoffel symbol, horizontal
 space, projection and Riemannian gradient is *derived* from the metric alone,

@@ -3,7 +3,7 @@ r"""Exact zero tests for the symbolic checks.
 A check *proves* an identity ``lhs = rhs`` by showing that ``lhs − rhs`` is the
 zero function, and *refutes* it by exhibiting a point where it is not zero.
 
-Strategy (fast first, spec-independent):
+Strategy (fast first):
 
 1. **Refutation.**  Substitute random positive rationals for every free
    symbol and evaluate exactly (or to 60 digits when ``exp``/``sqrt`` remain).

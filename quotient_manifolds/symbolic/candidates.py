@@ -3,13 +3,14 @@ r"""Candidate formulas that the checks accept as arguments.
 Every check in [`symbolic.checks`][quotient_manifolds.symbolic.checks] takes the formula
 under test as an argument, with the library's kernel as default.  This module
 holds the symbolic glue for the one kernel that cannot run on SymPy directly,
-and the deliberately *wrong* variants (the paper's printed typos, spec §14)
+and the deliberately *wrong* variants (the paper's printed typos, see
+[Corrections to the paper][corrections-to-the-paper])
 that the checker must reject.
 
 Horizontal ``Λ`` solvers share the signature of
 [`geometry.gl.horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda] minus ``basis``:
 ``(G, H, uG, uH, gr, metric) -> Λ``; the projection is then
-``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (spec §5.3.5).
+``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` ([derivation][horizontal-projection]).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _parts(G, H, uG, uH, gr: gl.Grams, metric: str):
 
 
 def sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
-    r"""inv ``Λ`` from the corrected Sylvester equation (spec §5.3.5, §14 item 3).
+    r"""inv ``Λ`` from the [corrected Sylvester equation][sylvester-equation].
 
     $$
     AΩ + ΩA = B,\quad A = PQ,\quad B = P H^{\top} ξ_H - ξ_G^{\top} G Q,\quad Λ = Ω^{\top},
@@ -101,7 +102,7 @@ def mix_relaxed_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "mix") -> SymTe
 
 
 def paper_sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
-    r"""**Wrong on purpose**: the paper's printed ``AΛ + ΛAᵀ = B`` (spec §14 item 3)."""
+    r"""**Wrong on purpose**: the paper's printed ``AΛ + ΛAᵀ = B`` ([why][sylvester-equation])."""
     P, Q, _, _, B = _parts(G, H, uG, uH, gr, "inv")
     A = P * Q
     lam = solve_linear_matrix_equation(lambda L: A * L + L * A.T - B, B.shape)
@@ -132,7 +133,8 @@ def christoffel_mix_without_h_part(G, H, uG, uH, vG, vH, gr: gl.Grams, metric: s
     r"""**Wrong on purpose**: the library's Γ with the mix ``H`` part dropped.
 
     The paper prints only the ``G`` part of Eq. 12 and calls the ``H`` part
-    "similar" (spec §6.5.2); an implementation that forgets it has ``Γ_H = 0``.
+    "similar" ([derivation][christoffel-forms]); an implementation that forgets it has
+    ``Γ_H = 0``.
     """
     cG, cH = gl.christoffel(G, H, uG, uH, vG, vH, gr, metric)
     if metric == "mix":
@@ -143,7 +145,7 @@ def christoffel_mix_without_h_part(G, H, uG, uH, vG, vH, gr: gl.Grams, metric: s
 def paper_inv_horizontal_residual(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
     r"""**Wrong on purpose**: the paper's printed inv condition ``ξ_GᵀGQ = P Hᵀ ξ_Hᵀ``.
 
-    Dimensionally inconsistent unless ``m = h`` (spec §14 item 2); where it
+    Dimensionally inconsistent unless ``m = h`` ([derivation][inv-horizontal]); where it
     can be evaluated it is not the metric-orthogonal complement of the
     vertical space.  The correct last factor is ``Hᵀ ξ_H``.
     """

@@ -13,15 +13,15 @@ typos, which must fail).
 Every function returns a [`CheckResult`][quotient_manifolds.symbolic.checks.CheckResult]; none
 raises on a failed proof.
 
-| check | what is proven | spec |
+| check | what is proven | where |
 |---|---|---|
-| ``christoffel`` | $Γ^λ_{μν}ξ^μη^ν$ from the metric = library Γ(ξ, η) | §6.1, §6.4–6.5 |
-| ``geodesic`` | closed-form geodesics solve ``ẍ + Γ(ẋ, ẋ) = 0`` | §6.4 |
-| ``retraction`` | ``x + ξ − ½Γ(ξ, ξ)`` is the geodesic to second order | §6.3 |
-| ``invariance`` | metric and library ``inner`` are GL-invariant | §3.3, §5.3.3 |
-| ``vertical`` | derived vertical/horizontal spaces = library's | §5.2, §5.3.2, §5.3.4 |
-| ``projection`` | Π(ξ) horizontal, ⟂ vertical, Π(ξ) − ξ vertical | §5.2, §5.3.5 |
-| ``rgrad`` | ``⟨grad L, η⟩ = dL[η]`` (before/after projection) | §5.2, §5.3.6 |
+| ``christoffel`` | $Γ^λ_{μν}ξ^μη^ν$ from the metric = library Γ(ξ, η) | App. I.2, Eq. 11/12 |
+| ``geodesic`` | closed-form geodesics solve ``ẍ + Γ(ẋ, ẋ) = 0`` | Eq. 24, App. D |
+| ``retraction`` | ``x + ξ − ½Γ(ξ, ξ)`` is the geodesic to second order | Eq. 5 |
+| ``invariance`` | metric and library ``inner`` are GL-invariant | Def. 3.1, Eq. 9/10 |
+| ``vertical`` | derived vertical/horizontal spaces = library's | [V][vertical-space] |
+| ``projection`` | Π(ξ) horizontal, ⟂ vertical, Π(ξ) − ξ vertical | [Π][horizontal-projection] |
+| ``rgrad`` | ``⟨grad L, η⟩ = dL[η]`` (before/after projection) | Alg. 1 lines 10, 12 |
 """
 
 from __future__ import annotations
@@ -146,14 +146,14 @@ def _syms(prefix: str, n: int) -> list[sp.Symbol]:
 
 
 # ---------------------------------------------------------------------------------
-# 1. Christoffel symbols (spec §6.1, §6.4, §6.5)
+# 1. Christoffel symbols (App. I.2, Eq. 11/12, Eq. 24)
 # ---------------------------------------------------------------------------------
 def check_christoffel_scalar_toy(
     gl_candidate: Callable = gl.christoffel,
     diag_candidate: Callable = dm.christoffel,
     adaptive_candidate: Callable = ad.christoffel,
 ) -> CheckResult:
-    r"""Scalar toy ``x ↦ GHx``, metric ``dG²/G² + dH²/H²`` (spec §5.4, §6.4.2).
+    r"""Scalar toy ``x ↦ GHx``, metric ``dG²/G² + dH²/H²`` (Eq. 18, App. D).
 
     Proves, from the metric alone: the paper's App. D symbols
     $Γ^G_{GG} = -1/G$, $Γ^H_{HH} = -1/H$ (all others 0), and that the
@@ -201,7 +201,7 @@ def check_christoffel_scalar_toy(
 
 
 def check_christoffel_adaptive(candidate: Callable = ad.christoffel) -> CheckResult:
-    r"""Adaptive metric ``ξ²/(w² + ε)`` with symbolic ``ε > 0`` (spec §6.6, §7.3).
+    r"""Adaptive metric ``ξ²/(w² + ε)`` with symbolic ``ε > 0`` (App. F, App. C.1).
 
     Derived: $Γ^w_{ww} = -w/(w^{2} + ε)$; the library's
     [`christoffel`][quotient_manifolds.geometry.adaptive.christoffel] must equal
@@ -221,7 +221,7 @@ def check_christoffel_adaptive(candidate: Callable = ad.christoffel) -> CheckRes
 def check_christoffel_diagonal(
     d: int = 2, metric: str = "inv", candidate: Callable = dm.christoffel
 ) -> CheckResult:
-    r"""Diagonal nets, Eq. 6/7: library ``Γ(ξ, η)`` = $Γ^λ_{μν}ξ^μη^ν$ (spec §6.4.1).
+    r"""Diagonal nets, Eq. 6/7: library ``Γ(ξ, η)`` = $Γ^λ_{μν}ξ^μη^ν$ (§5.1).
 
     ``candidate`` has the signature of
     [`geometry.diagonal.christoffel`][quotient_manifolds.geometry.diagonal.christoffel]
@@ -255,7 +255,7 @@ def check_christoffel_gl(
     (inv) or ``Tr(QηGᵀηG + PηHᵀηH)`` (mix) written in the ``(n+m)h``
     coordinates; ``candidate`` has the signature of
     [`geometry.gl.christoffel`][quotient_manifolds.geometry.gl.christoffel] and is run on SymPy
-    inputs.  With a symbolic ``eps`` the relaxed metric (spec §5.3.1) is used.
+    inputs.  With a symbolic ``eps`` the [relaxed metric][eps-relaxation] is used.
     """
     block = GLBlock(n, m, h, eps)
 
@@ -273,7 +273,7 @@ def check_christoffel_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 2. Geodesics (spec §6.4)
+# 2. Geodesics (Eq. 24, App. D)
 # ---------------------------------------------------------------------------------
 def closed_form_geodesic(metric: str) -> Callable[[sp.Expr, sp.Expr, sp.Expr], sp.Expr]:
     r"""Eq. 24 per coordinate, horizontal velocity ``b``: $u e^{bt}$ / ``u√(1+2bt)`` (inv/mix)."""
@@ -292,7 +292,7 @@ def check_geodesic_diagonal(
     ``γ(t) = (c(u, b, t), c(v, b, t))`` coordinatewise, with ``c`` from
     [`closed_form_geodesic`][quotient_manifolds.symbolic.checks.closed_form_geodesic] unless given,
     must satisfy $γ̈^λ + Γ^λ_{μν}(γ) γ̇^μ γ̇^ν = 0$, ``γ(0) = (u, v)`` and
-    ``γ̇(0) = (b u, b v)`` (a horizontal velocity, spec §5.2, §6.4).
+    ``γ̇(0) = (b u, b v)`` (a horizontal velocity, Eq. 24).
     """
     model = DiagonalModel(2) if model is None else model
     curve = closed_form_geodesic(metric) if curve is None else curve
@@ -354,7 +354,7 @@ def check_geodesic_adaptive(curve: Callable = adaptive_geodesic) -> CheckResult:
     r"""The adaptive geodesics solve the ODE of ``ξ²/(w² + ε)`` (``ε = 0`` and symbolic ``ε``).
 
     ``curve(w, ξ, ε, t)`` must satisfy ``γ̈ + Γ(γ)γ̇² = 0``, ``γ(0) = w``,
-    ``γ̇(0) = ξ`` (spec §6.6, §7.3).
+    ``γ̇(0) = ξ`` (App. F).
     """
 
     def run() -> Outcome:
@@ -384,7 +384,7 @@ def check_retraction_diagonal(
     The closed-form geodesic (Eq. 24) with horizontal velocity ``sξ``,
     ``ξ = (bu, bv)``, is expanded in ``s``; its second-order Taylor polynomial
     must equal the retraction built from the library's Christoffel form
-    (spec §6.3, §11 item 6; spec §14 item 4: some renderings print ``−2Γ``).
+    (Eq. 5; some renderings of Alg. 1 print ``−2Γ``).
     """
     model = DiagonalModel(d)
 
@@ -409,7 +409,7 @@ def check_retraction_diagonal(
 
 
 # ---------------------------------------------------------------------------------
-# 3. Invariance (spec §3.3, §5.2, §5.3.3)
+# 3. Invariance (Def. 3.1, Eq. 6/7, Eq. 9/10)
 # ---------------------------------------------------------------------------------
 def _diag_inner(model: DiagonalModel, metric: str, point, xi, eta, inner: Callable) -> sp.Expr:
     S = model.sym
@@ -511,7 +511,7 @@ def check_invariance_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 4. Vertical and horizontal spaces (spec §5.2, §5.3.2, §5.3.4)
+# 4. Vertical and horizontal spaces (docs: corrections.md)
 # ---------------------------------------------------------------------------------
 def diagonal_vertical(model: DiagonalModel, omega: Sequence[sp.Expr]) -> list[sp.Expr]:
     """``(ω ⊙ u, −ω ⊙ v)`` (transcribes ``DiagonalQuotient.vertical``)."""
@@ -582,7 +582,7 @@ def check_vertical_gl(
     ``h²``-dimensional space as [`vertical`][quotient_manifolds.geometry.gl.vertical].
     Horizontal: the ``h²`` conditions ``g(V_k, ξ) = 0`` have the same row space
     as the library's [`horizontal_residual`][quotient_manifolds.geometry.gl.horizontal_residual]
-    (inv ``P Hᵀξ_H − ξ_GᵀGQ``, the corrected form of spec §14 item 2; mix
+    (inv ``P Hᵀξ_H − ξ_GᵀGQ``, the [corrected form][inv-horizontal]; mix
     ``Gᵀξ_G Q − P ξ_HᵀH``).  ``vertical`` and ``residual`` default to the
     library's kernels and may be replaced by candidates.
     """
@@ -605,7 +605,7 @@ def check_vertical_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 5. Horizontal projection (spec §5.2, §5.3.5)
+# 5. Horizontal projection (docs: corrections.md)
 # ---------------------------------------------------------------------------------
 def check_projection_diagonal(
     d: int = 2, metric: str = "inv", project: Callable = dm.project
@@ -772,10 +772,10 @@ def check_projection_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 6. Riemannian gradients (spec §5.2, §5.3.6)
+# 6. Riemannian gradients (Alg. 1 lines 10/12, App. C.2)
 # ---------------------------------------------------------------------------------
 def diagonal_rgrad_unprojected(u, v, gu, gv, metric: str):
-    r"""Spec §5.2 before projection: inv ``(u²∂_u, v²∂_v)``, mix ``(∂_u/v², ∂_v/u²)``."""
+    r"""Diagonal nets before projection: inv ``(u²∂_u, v²∂_v)``, mix ``(∂_u/v², ∂_v/u²)``."""
     if metric == "inv":
         return u**2 * gu, v**2 * gv
     return gu / v**2, gv / u**2
@@ -789,7 +789,7 @@ def check_rgrad_diagonal(
 ) -> CheckResult:
     r"""``⟨grad L, η⟩_g = dL[η]`` for all ``η``, and after projection for horizontal ``η``.
 
-    ``∂_u L, ∂_v L`` are free symbols (any loss).  Also proves the spec's
+    ``∂_u L, ∂_v L`` are free symbols (any loss).  Also proves the
     claim that for an invariant loss (``∂_u L = v ⊙ ∂_β L``,
     ``∂_v L = u ⊙ ∂_β L``) the gradient is already horizontal.
     """
@@ -834,7 +834,7 @@ def check_rgrad_gl(
     after_projection: bool | None = None,
     eps: sp.Expr = sp.S.Zero,
 ) -> CheckResult:
-    r"""``⟨grad L, η⟩_g = dL[η] = Tr(∇_Gᵀη_G + ∇_Hᵀη_H)`` for all ``η`` (spec §5.3.6).
+    r"""``⟨grad L, η⟩_g = dL[η] = Tr(∇_Gᵀη_G + ∇_Hᵀη_H)`` for all ``η``.
 
     ``rgrad`` has the signature of
     [`geometry.gl.egrad2rgrad`][quotient_manifolds.geometry.gl.egrad2rgrad] (inv ``(∇_G P, ∇_H Q)``,
@@ -844,7 +844,7 @@ def check_rgrad_gl(
     follows from the projection check).  Also proves that for an invariant
     loss, ``∇_G = D H``, ``∇_H = Dᵀ G`` with free ``D``, the gradient is
     horizontal before any projection.  With a symbolic ``eps`` all of this is
-    proven for the relaxed metric (spec §5.3.1).
+    proven for the [relaxed metric][eps-relaxation].
     """
     block = GLBlock(n, m, h, eps)
     if after_projection is None:

@@ -91,7 +91,8 @@ def _toy() -> list[str]:
     toy = scalar_toy()
     g = toy.coordinate_metric("inv")
     out = [
-        r"## 1. Scalar toy $x \mapsto GHx$ (paper Fig. 1, App. D)",
+        r"## 1. Scalar toy $x \mapsto GHx$ (paper Fig. 1, App. D) "
+        "{ #derivations-toy }",
         "",
         "Metric (paper Eq. 18) written in coordinates $(G, H)$ and its inverse:",
         "",
@@ -113,7 +114,8 @@ def _toy() -> list[str]:
     eps = sp.Symbol("epsilon", positive=True)
     w, am = adaptive_metric(eps)
     out += [
-        "### Adaptive metric (App. F; every weight outside a block, App. C.1)",
+        "### Adaptive metric (App. F; every weight outside a block, App. C.1) "
+        "{ #derivations-adaptive }",
         "",
         f"$$g = {_tex(am.matrix)}$$",
         "",
@@ -130,7 +132,8 @@ def _diagonal() -> list[str]:
     u, v = model.u[0], model.v[0]
     b, t = sp.symbols("b t")
     out = [
-        r"## 2. Diagonal networks $\beta = u \odot v$ (paper §5.1, Eq. 6, 7, 24)",
+        r"## 2. Diagonal networks $\beta = u \odot v$ (paper §5.1, Eq. 6, 7, 24) "
+        "{ #derivations-diagonal }",
         "",
         "Both metrics are sums over coordinates, so one coordinate pair $(u, v)$ shows "
         "everything; the checks use $d = 2$.",
@@ -183,7 +186,8 @@ def _diagonal() -> list[str]:
 
 def _gl() -> list[str]:
     out = [
-        r"## 3. GL(h) blocks $(G, H) \sim (GA^{-1}, HA^\top)$ (paper §5.2, Eq. 9–12)",
+        r"## 3. GL(h) blocks $(G, H) \sim (GA^{-1}, HA^\top)$ (paper §5.2, Eq. 9–12) "
+        "{ #derivations-gl }",
         "",
         r"Metrics (paper Eq. 9, 10), $P = G^\top G$, $Q = H^\top H$:",
         "",
@@ -350,7 +354,7 @@ _CORRECTIONS: list[tuple[str, str, str]] = [
 
 def _corrections() -> list[str]:
     out = [
-        "## 4. Corrections to the paper that the checks enforce",
+        "## 4. Corrections to the paper that the checks enforce { #derivations-corrections }",
         "",
         "Derived on [Corrections to the paper](corrections.md).",
         "",

@@ -1,10 +1,10 @@
 r"""Coordinates, metrics and group actions of the geometries under test.
 
-Each model writes down, independently of the library code, what the paper and
-the spec *define*: the coordinates, the metric as a quadratic form (spec
-§5.2 Eq. 6/7, §5.3.3 Eq. 9/10, §5.4 Eq. 18) and the group action (spec §3.3,
-§3.4).  Everything else (Christoffel symbols, vertical and horizontal spaces)
-is derived from these by [`symbolic.riemann`][quotient_manifolds.symbolic.riemann].
+Each model writes down, independently of the library code, what the paper
+*defines*: the coordinates, the metric as a quadratic form (Eq. 6/7, Eq. 9/10,
+Eq. 18) and the group action (Def. 3.1, §5.1, App. D).  Everything else (Christoffel symbols,
+vertical and horizontal spaces) is derived from these by
+[`symbolic.riemann`][quotient_manifolds.symbolic.riemann].
 
 Coordinate order follows the library's packed tensors, so a coordinate
 vector is the ``flatten()`` of a point:
@@ -48,7 +48,7 @@ def _check_metric(metric: str) -> None:
 
 @dataclass(frozen=True)
 class DiagonalModel:
-    r"""Diagonal network ``β = u ⊙ v`` with symmetry GL(1)^d (spec §3.4b, §5.2).
+    r"""Diagonal network ``β = u ⊙ v`` with symmetry GL(1)^d (§5.1, Eq. 6/7).
 
     Parameters
     ----------
@@ -56,9 +56,9 @@ class DiagonalModel:
         Number of coordinates of ``u`` (and of ``v``).
     names : (str, str)
         Symbol names of the two factors; ``("G", "H")`` with ``d = 1`` is the
-        scalar toy of spec §3.4a.
+        scalar toy of Fig. 1 and App. D.
     convention : {"diag", "gl"}
-        ``"diag"``: ``(α ⊙ u, α⁻¹ ⊙ v)`` (spec §3.4b); ``"gl"``:
+        ``"diag"``: ``(α ⊙ u, α⁻¹ ⊙ v)`` (§5.1); ``"gl"``:
         ``(u α⁻¹, v α)``, the GL(1) form ``(G A⁻¹, H Aᵀ)`` of the toy.
     """
 
@@ -177,12 +177,12 @@ def symmetric_symbols(name: str, h: int) -> sp.Matrix:
 
 
 def scalar_toy() -> DiagonalModel:
-    r"""The scalar toy ``x ↦ GHx`` with GL(1) acting by ``(G/α, αH)`` (spec §3.4a, §5.4)."""
+    r"""The scalar toy ``x ↦ GHx`` with GL(1) acting by ``(G/α, αH)`` (Fig. 1, Eq. 18)."""
     return DiagonalModel(1, ("G", "H"), "gl")
 
 
 def adaptive_metric(eps: sp.Expr) -> tuple[sp.Symbol, CoordinateMetric]:
-    r"""One weight ``w`` with the adaptive metric ``ξ²/(w² + ε)`` (spec §6.6, §7.3)."""
+    r"""One weight ``w`` with the adaptive metric ``ξ²/(w² + ε)`` (App. F, App. C.1)."""
     w, xi = sp.symbols("w xi_w")
     q = xi**2 / (w**2 + eps)
     return w, CoordinateMetric.from_quadratic_form(q, [w], [xi], name="adaptive")
@@ -190,14 +190,14 @@ def adaptive_metric(eps: sp.Expr) -> tuple[sp.Symbol, CoordinateMetric]:
 
 @dataclass(frozen=True)
 class GLBlock:
-    r"""A GL(h) block ``(G, H)``, $G \in R^{n\times h}$, $H \in R^{m\times h}$ (spec §3.3, §5.3).
+    r"""A GL(h) block ``(G, H)``, $G \in R^{n\times h}$, $H \in R^{m\times h}$ (Def. 3.1, §5.2).
 
     Parameters
     ----------
     n, m, h : int
         Shapes of the factors.
     eps : sympy expression
-        Relaxation ``P = GᵀG + εI``, ``Q = HᵀH + εI`` (spec §5.3.1); ``0`` by
+        Relaxation ``P = GᵀG + εI``, ``Q = HᵀH + εI`` ([relaxation][eps-relaxation]); ``0`` by
         default, or a positive symbol to prove formulas for every ``ε``.
     """
 

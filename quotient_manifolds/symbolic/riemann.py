@@ -1,7 +1,7 @@
 r"""Riemannian geometry from a metric written as a SymPy matrix in coordinates.
 
 Everything the checks compare the library against is *derived* here from the
-metric $g_{μν}(x)$ alone (spec §6.1, §5.1):
+metric $g_{μν}(x)$ alone (App. B, App. I.2):
 
 * Christoffel symbols of the Levi-Civita connection,
 

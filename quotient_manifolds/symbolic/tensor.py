@@ -7,8 +7,7 @@ The kernels in [`geometry.gl`][quotient_manifolds.geometry.gl] and
 [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor] implements exactly these on a NumPy
 object array of SymPy expressions, with torch semantics (elementwise ``*``, broadcasting, matrix
 product ``@``). Calling a kernel with [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor]
-arguments therefore evaluates *the code itself* symbolically, not a transcription of it (spec §5,
-§6: the formulas under test).
+arguments therefore evaluates *the code itself* symbolically, not a transcription of it.
 
 Python floats met on the way (``0.5 * …``) are turned into exact rationals,
 so no floating-point coefficient ever enters a symbolic proof.
