@@ -254,7 +254,8 @@ def horizontal_lambda(
     metric: str,
     basis: SylvesterBasis | None = None,
 ) -> torch.Tensor:
-    r"""``Λ`` (``h×h``, float64) such that ``(ξ_G + GΛ, ξ_H − HΛᵀ)`` is horizontal (§5.3.5).
+    r"""``Λ`` (``h×h``, float64) such that ``(ξ_G + GΛ, ξ_H − HΛᵀ)`` is horizontal
+    ([derivation][horizontal-projection]).
 
     mix (closed form): ``Λ = ½(ξ_Hᵀ H Q⁻¹ − P⁻¹ Gᵀ ξ_G)``.
 
