@@ -1,8 +1,9 @@
 """The built documentation site renders: no Sphinx/RST markup left, maths typeset, refs resolved.
 
-The site is built once per session with ``mkdocs build --strict`` (about 3 s) into a temporary
-folder: ``--strict`` already fails on a cross-reference that does not resolve or a docstring
-that does not parse; the checks below catch what a strict build lets through because it is
+The site is built once per test session (shared by the xdist workers) with
+``mkdocs build --strict`` (about 3 s of CPU) into a temporary folder: ``--strict`` already
+fails on a cross-reference that does not resolve or a docstring that does not parse; the
+checks below catch what a strict build lets through because it is
 valid Markdown that renders as raw text: Sphinx roles (``:func:`x` ``), RST directives
 (``.. math::``), RST literal blocks and tables, ``$`` maths that ``pymdownx.arithmatex`` did not
 pick up, and any script, style sheet or font loaded from another site at view time.
@@ -55,14 +56,23 @@ def site(tmp_path_factory) -> pathlib.Path:
         return (ROOT / given).resolve()
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
-    out = tmp_path_factory.mktemp("site")
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
-         "-f", str(ROOT / "mkdocs.yml"), "--site-dir", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    from filelock import FileLock
+
+    # One build per test session, shared by the pytest-xdist workers (their base temp
+    # folders have a common parent); the first worker builds, the others wait and reuse it.
+    shared = tmp_path_factory.getbasetemp().parent
+    out = shared / "docs-site"
+    with FileLock(str(shared / "docs-site.lock")):
+        if not (out / "index.html").is_file():
+            env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+            proc = subprocess.run(
+                [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                 "-f", str(ROOT / "mkdocs.yml"), "--site-dir", str(out)],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+            )
+            assert proc.returncode == 0, (
+                f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+            )
     return out
 
 
