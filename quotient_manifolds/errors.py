@@ -38,7 +38,7 @@ class RankDeficientError(QuotientManifoldError, ArithmeticError):
     """A factor of a GL(h) block does not have full column rank.
 
     The quotient geometry needs invertible Gram matrices ``GᵀG`` and ``HᵀH``.
-    Pass ``eps > 0`` to use the relaxation ``GᵀG + eps·I`` (spec §5.3.1).
+    Pass ``eps > 0`` to use the [relaxation][eps-relaxation] ``GᵀG + eps·I``.
     """
 
 
@@ -127,6 +127,6 @@ class SymmetryFallbackWarning(UserWarning):
 class NoBlocksWarning(UserWarning):
     """No GL block was found in a model; every weight uses the adaptive geometry.
 
-    Declare blocks with :func:`quotient_manifolds.declare_block` if the model
-    has symmetries that discovery does not know about.
+    Declare blocks with [`quotient_manifolds.declare_block`][quotient_manifolds.declare_block] if
+    the model has symmetries that discovery does not know about.
     """

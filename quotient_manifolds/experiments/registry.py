@@ -1,16 +1,16 @@
-r"""The experiments of issue 5 by command-line name, and a runner for several of them.
+r"""The reproductions of the paper by command-line name, and a runner for several of them.
 
 Every experiment is a module ``quotient_manifolds.experiments.<module>`` with
 
-.. code-block:: python
+```python
+run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict
+```
 
-    run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict
-
-which writes ``out/<name>/results.json`` (:func:`~quotient_manifolds.experiments.report.summarize`)
-and its PNG figures, caches trained members in a
-:class:`~quotient_manifolds.experiments.store.PopulationStore`, prints nothing but tqdm
-progress (stderr), and returns the results dict.  Modules are imported lazily, only when
-their experiment runs, so a missing or broken experiment never breaks the others.
+which writes ``out/<name>/results.json``
+([`summarize`][quotient_manifolds.experiments.report.summarize]) and its PNG figures, caches trained
+members in a [`PopulationStore`][quotient_manifolds.experiments.store.PopulationStore], prints
+nothing but tqdm progress (stderr), and returns the results dict.  Modules are imported lazily, only
+when their experiment runs, so a missing or broken experiment never breaks the others.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ExperimentUnavailableError(QuotientManifoldError, ImportError):
 
 
 def load(name: str) -> Callable[..., dict]:
-    """The ``run`` function of experiment ``name`` (a key of :data:`EXPERIMENTS`).
+    """The ``run`` function of experiment ``name`` (a key of `EXPERIMENTS`).
 
     Raises
     ------

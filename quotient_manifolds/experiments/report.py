@@ -1,12 +1,14 @@
 r"""``results.json`` and the τ table / scatter figures shared by every experiment.
 
-Schema (issue 5)::
+Schema:
 
-    {"experiment": str, "n_members": int, "gap": str,
-     "measures":  {"adaptive": {"tau", "ci95", "p_value", "rho", "n", "by_rho": {...}}, ...},
-     "baselines": {"<hyperparameter>": {"tau", "ci95", "p_value"}},
-     "members":   [{"id", "gap", "hyper": {...}, "measures": {...}}, ...],
-     "settings":  {...}}
+```text
+{"experiment": str, "n_members": int, "gap": str,
+ "measures":  {"adaptive": {"tau", "ci95", "p_value", "rho", "n", "by_rho": {...}}, ...},
+ "baselines": {"<hyperparameter>": {"tau", "ci95", "p_value"}},
+ "members":   [{"id", "gap", "hyper": {...}, "measures": {...}}, ...],
+ "settings":  {...}}
+```
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
 r"""On-disk cache of a trained population and its measures, safe to interrupt.
 
-Layout under ``DIR/<experiment>/``::
+Layout under ``DIR/<experiment>/``:
 
-    members/<id>.safetensors   trained weights
-    members/<id>.json          hyperparameters, train/test metrics, gap
-    measures/<id>.json         sharpness values of the member, keyed by the protocol hash
-    results.json               the summary (:func:`quotient_manifolds.experiments.report`)
+```text
+members/<id>.safetensors   trained weights
+members/<id>.json          hyperparameters, train/test metrics, gap
+measures/<id>.json         sharpness values of the member, keyed by the protocol hash
+results.json               the summary (quotient_manifolds.experiments.report)
+```
 
 Every file is written to a temporary name in the same folder and moved into place with
-:func:`os.replace`, so a crash or Ctrl-C never leaves a half-written file, and a re-run
+``os.replace``, so a crash or Ctrl-C never leaves a half-written file, and a re-run
 skips every member (and every measure) that is already on disk.
 """
 

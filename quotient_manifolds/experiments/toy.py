@@ -1,4 +1,4 @@
-r"""The scalar toy of Fig. 1 (spec §3.4a, §5.4, §6.4.2, §10.3).
+r"""The scalar toy of Fig. 1 (App. D: Eq. 18 and the closed forms of Eqs. 19–22).
 
 Model ``x ↦ θ₂θ₁x`` (written ``G H x``, App. D) on one data point ``(x, y) = (1, 1)`` with
 the square loss ``L = (GHx − y)²``.  The symmetry ``(G, H) ↦ (G/α, αH)`` moves a point
@@ -6,15 +6,15 @@ along its orbit, the hyperbola ``GH = c``; since ``L`` depends on ``GH`` only, t
 level sets *are* orbits.
 
 Measured along the orbit ``GH = c = 0.5`` (``(G, H) = (√c/α, α√c)``,
-``α ∈ [10^{-1.5}, 10^{1.5}]``):
+$α \in [10^{-1.5}, 10^{1.5}]$):
 
 * the Euclidean gradient norm ``2|r x|√(G² + H²)`` (``r = GHx − y``): not invariant;
 * the Riemannian gradient norm of the inv metric (Eq. 18), from
-  :class:`~quotient_manifolds.manifolds.DiagonalQuotient` with ``d = 1``:
+  [`DiagonalQuotient`][quotient_manifolds.manifolds.DiagonalQuotient] with ``d = 1``:
   ``‖grad L‖ = 2√2 |r x| |GH|``, constant on the orbit;
 * worst-case sharpness at ρ = 0.1: Euclidean (``‖δ‖ ≤ ρ``, dense polar grid), adaptive
   (Eq. 1) and exact geodesic inv (Eq. 4), the last checked against the closed form of
-  Eq. 19/20: ``max_{|b| ≤ ρ/√2} y₀²(e^{4b} − 1) − 2yy₀(e^{2b} − 1)``.
+  Eq. 19/20: $\max_{|b| \le ρ/√2} y_{0}^{2}(e^{4b} - 1) - 2yy_{0}(e^{2b} - 1)$.
 
 There is no population, hence no τ: ``measures`` and ``baselines`` are empty and the
 findings are under ``"toy"`` in ``results.json``.
@@ -65,7 +65,7 @@ def gradient_norms(G: torch.Tensor, H: torch.Tensor, x: float, y: float) -> dict
 
 def euclidean_sharpness(G: torch.Tensor, H: torch.Tensor, x: float, y: float, rho: float,
                         n_angle: int = 2048, n_radius: int = 64) -> torch.Tensor:
-    """``max_{‖δ‖ ≤ ρ} L(θ + δ) − L(θ)`` by a dense polar grid (2-D, so exact to the grid)."""
+    r"""$\max_{\|δ\| \le ρ} L(θ + δ) - L(θ)$ by a dense polar grid (2-D, so exact to the grid)."""
     ang = torch.linspace(0, 2 * math.pi, n_angle, dtype=torch.float64)
     rad = torch.linspace(0, rho, n_radius, dtype=torch.float64)
     dG = (rad[:, None] * torch.cos(ang)[None]).reshape(-1)

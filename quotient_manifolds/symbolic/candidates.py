@@ -1,15 +1,16 @@
 r"""Candidate formulas that the checks accept as arguments.
 
-Every check in :mod:`quotient_manifolds.symbolic.checks` takes the formula
+Every check in [`symbolic.checks`][quotient_manifolds.symbolic.checks] takes the formula
 under test as an argument, with the library's kernel as default.  This module
 holds the symbolic glue for the one kernel that cannot run on SymPy directly,
-and the deliberately *wrong* variants (the paper's printed typos, spec §14)
+and the deliberately *wrong* variants (the paper's printed typos, see
+[Corrections to the paper][corrections-to-the-paper])
 that the checker must reject.
 
 Horizontal ``Λ`` solvers share the signature of
-:func:`quotient_manifolds.geometry.gl.horizontal_lambda` minus ``basis``:
+[`geometry.gl.horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda] minus ``basis``:
 ``(G, H, uG, uH, gr, metric) -> Λ``; the projection is then
-``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (spec §5.3.5).
+``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` ([derivation][horizontal-projection]).
 """
 
 from __future__ import annotations
@@ -78,14 +79,14 @@ def sylvester_lambda(
     G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
     metric: str = "inv",
 ) -> SymTensor:
-    r"""inv ``Λ`` from the corrected Sylvester equation (spec §5.3.5, §14 item 3).
+    r"""inv ``Λ`` from the [corrected Sylvester equation][sylvester-equation].
 
-    .. math::
-
-        AΩ + ΩA = B,\quad A = PQ,\quad B = P Hᵀ ξ_H − ξ_Gᵀ G Q,\quad Λ = Ωᵀ,
+    $$
+    AΩ + ΩA = B,\quad A = PQ,\quad B = P H^{\top} ξ_H - ξ_G^{\top} G Q,\quad Λ = Ω^{\top},
+    $$
 
     with ``B`` computed by the library's
-    :func:`~quotient_manifolds.geometry.gl.horizontal_residual` and the
+    [`horizontal_residual`][quotient_manifolds.geometry.gl.horizontal_residual] and the
     equation solved exactly.  With the relaxation ``ε`` the library documents
     ``(P Q̂) Ω + Ω (P̂ Q) = B`` with ``P̂ = P − εI``, ``Q̂ = Q − εI``; that is
     what is solved (it is the boxed equation at ``ε = 0``).  The torch solver
@@ -116,7 +117,7 @@ def paper_sylvester_lambda(
     G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
     metric: str = "inv",
 ) -> SymTensor:
-    r"""**Wrong on purpose**: the paper's printed ``AΛ + ΛAᵀ = B`` (spec §14 item 3)."""
+    r"""**Wrong on purpose**: the paper's printed ``AΛ + ΛAᵀ = B`` ([why][sylvester-equation])."""
     P, Q, _, _, B = _parts(G, H, uG, uH, gr, "inv")
     A = P * Q
     lam = solve_linear_matrix_equation(lambda L: A * L + L * A.T - B, B.shape)
@@ -127,14 +128,16 @@ def library_lambda(
     G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
     metric: str,
 ) -> SymTensor:
-    r"""The library's ``Λ`` (:func:`~quotient_manifolds.geometry.gl.horizontal_lambda`).
+    r"""The library's ``Λ``
+    ([`horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda]).
 
     * mix, ``ε = 0``: the library's closed form, run on SymPy inputs;
     * otherwise the library solves a Sylvester-type equation in an
       eigenbasis (``torch.linalg.eigh``), which has no useful closed form;
       the equation it documents is solved exactly instead
-      (:func:`sylvester_lambda`, :func:`mix_relaxed_lambda`), and the numeric
-      projection bridge confirms that the torch solver returns its solution.
+      ([`sylvester_lambda`][quotient_manifolds.symbolic.candidates.sylvester_lambda],
+      [`mix_relaxed_lambda`][quotient_manifolds.symbolic.candidates.mix_relaxed_lambda]), and the
+      numeric projection bridge confirms that the torch solver returns its solution.
     """
     eps = getattr(gr, "eps", 0) or 0
     if metric == "mix":
@@ -151,7 +154,8 @@ def christoffel_mix_without_h_part(
     r"""**Wrong on purpose**: the library's Γ with the mix ``H`` part dropped.
 
     The paper prints only the ``G`` part of Eq. 12 and calls the ``H`` part
-    "similar" (spec §6.5.2); an implementation that forgets it has ``Γ_H = 0``.
+    "similar" ([derivation][christoffel-forms]); an implementation that forgets it has
+    ``Γ_H = 0``.
     """
     cG, cH = gl.christoffel(G, H, uG, uH, vG, vH, gr, metric)
     if metric == "mix":
@@ -165,7 +169,7 @@ def paper_inv_horizontal_residual(
 ) -> SymTensor:
     r"""**Wrong on purpose**: the paper's printed inv condition ``ξ_GᵀGQ = P Hᵀ ξ_Hᵀ``.
 
-    Dimensionally inconsistent unless ``m = h`` (spec §14 item 2); where it
+    Dimensionally inconsistent unless ``m = h`` ([derivation][inv-horizontal]); where it
     can be evaluated it is not the metric-orthogonal complement of the
     vertical space.  The correct last factor is ``Hᵀ ξ_H``.
     """
