@@ -525,7 +525,9 @@ class SubgroupSystem(NamedTuple):
     $Y = W_1 \bigl((W_1^\top R W_2) \odot \text{inv\_denom}\bigr) W_2^\top$, with
     $W_1^\top \ell_2 W_1 = I$, $W_1^\top \ell_1 W_1 = \operatorname{diag}(d_1)$,
     $W_2^\top r_1 W_2 = I$, $W_2^\top r_2 W_2 = \operatorname{diag}(d_2)$ and
-    `inv_denom` $= 1/(d_{1,i} + d_{2,j})$ (0 where that vanishes); `K[a]` is that inverse
+    `inv_denom` $= 1/(d_{1,i} + d_{2,j})$ (0 where that vanishes); for mix at $\varepsilon = 0$
+    the operator is $2 P_{FF} Y Q_{FF}$, `inv_denom` is `None` and `W1`, `W2` hold
+    $\tfrac12 P_{FF}^{-1}$ and $Q_{FF}^{-1}$ (so $Y = W_1 R W_2^\top$).  `K[a]` is that inverse
     applied to the free block of $L(B_a)$; the Schur complement
     $S = A_{pp} - A_{pf} A_{ff}^{-1} A_{fp}$ of the explicit part is kept as its eigenvectors
     and inverted eigenvalues (zero where a direction is degenerate: both factors rank
@@ -586,7 +588,10 @@ def _gen_eig(A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def _free_solve(W1, W2, inv_denom, R):
-    """``A_ff⁻¹(R)`` in the simultaneous eigenbases (``inv_denom`` is 0 on degenerate entries)."""
+    """``A_ff⁻¹(R)`` in the simultaneous eigenbases (``inv_denom`` is 0 on degenerate entries);
+    ``inv_denom = None``: the operator is separable and ``A_ff⁻¹(R) = W1 R W2ᵀ``."""
+    if inv_denom is None:
+        return W1 @ R @ transpose(W2)
     return W1 @ ((transpose(W1) @ R @ W2) * inv_denom) @ transpose(W2)
 
 
@@ -635,15 +640,21 @@ def subgroup_system(
         fb = lambda M: _free_block(lay, M, h)  # noqa: E731
         W1, d1 = _gen_eig(fb(l1), fb(l2))
         W2, d2 = _gen_eig(fb(r2), fb(r1))
-        denom = d1.unsqueeze(-1) + d2.unsqueeze(-2)
-        safe = denom.abs() > torch.finfo(GRAM_DTYPE).tiny
-        inv_denom = torch.where(safe, 1.0 / torch.where(safe, denom, 1.0), 0.0)
+        if metric == "mix" and not grams.eps:
+            # ℓ₁ = ℓ₂ = P and r₁ = r₂ = Q: A_ff(Y) = 2 P_FF Y Q_FF, d₁ = d₂ = 1, so
+            # A_ff⁻¹(R) = ½ (W₁W₁ᵀ) R (W₂W₂ᵀ) = ½ P_FF⁻¹ R Q_FF⁻¹: two products instead of four
+            W1, W2 = 0.5 * (W1 @ transpose(W1)), W2 @ transpose(W2)
+        else:
+            denom = d1.unsqueeze(-1) + d2.unsqueeze(-2)
+            safe = denom.abs() > torch.finfo(GRAM_DTYPE).tiny
+            inv_denom = torch.where(safe, 1.0 / torch.where(safe, denom, 1.0), 0.0)
     if lay.d:
         S = _compress(lay, l1, r1) + _compress(lay, l2, r2)  # ⟨B_a, L(B_b)⟩
         if lay.f:
             Afp = _free_part(lay, l1, r1, h) + _free_part(lay, l2, r2, h)  # (..., d, f, f)
             u = lambda t: t.unsqueeze(-3)  # noqa: E731
-            K = _free_solve(u(W1), u(W2), u(inv_denom), Afp).contiguous()
+            K = _free_solve(u(W1), u(W2), None if inv_denom is None else u(inv_denom), Afp)
+            K = K.contiguous()
             S = S - torch.einsum("...aij,...bij->...ab", Afp, K)
         evals, S_vecs = torch.linalg.eigh(sym(S))
         tol = evals.abs().amax(-1, keepdim=True) * (lay.d * torch.finfo(GRAM_DTYPE).eps)
