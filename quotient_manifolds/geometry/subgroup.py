@@ -86,6 +86,7 @@ class _Layout(NamedTuple):
     cols: torch.Tensor  # (d, k) long
     vals: torch.Tensor  # (d, k) float64; padding entries have value 0
     free: torch.Tensor  # (f,) long: indices on which k is all of gl
+    free_slice: slice | None  # the free indices as a slice when contiguous (partial rotary)
 
     @property
     def d(self) -> int:
@@ -104,13 +105,16 @@ def _layout_from_parts(h: int, parts: list[list[tuple[int, int, float]]], free: 
     for a, part in enumerate(parts):
         for j, (r, c, v) in enumerate(part):
             rows[a, j], cols[a, j], vals[a, j] = r, c, v
-    return _Layout(rows, cols, vals, torch.tensor(free, dtype=torch.long))
+    free = sorted(free)
+    contiguous = bool(free) and free == list(range(free[0], free[0] + len(free)))
+    span = slice(free[0], free[0] + len(free)) if contiguous else None
+    return _Layout(rows, cols, vals, torch.tensor(free, dtype=torch.long), span)
 
 
 @lru_cache(maxsize=256)
 def _layout_on(sub: Subalgebra, device: torch.device) -> _Layout:
     lay = sub._layout()
-    return _Layout(*(t.to(device) for t in lay))
+    return _Layout(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in lay))
 
 
 def _coords(lay: _Layout, M: torch.Tensor) -> torch.Tensor:
@@ -129,21 +133,10 @@ def _embed(lay: _Layout, c: torch.Tensor, h: int) -> torch.Tensor:
     return out.reshape(*batch, h, h)
 
 
-def _free_slice(lay: _Layout) -> slice | None:
-    """The free indices as a slice when they are contiguous (e.g. partial rotary)."""
-    f = lay.f
-    if not f:
-        return None
-    lo = int(lay.free[0])
-    if int(lay.free[-1]) - lo + 1 == f and bool((lay.free.diff() == 1).all()):
-        return slice(lo, lo + f)
-    return None
-
-
 def _free_block(lay: _Layout, M: torch.Tensor, h: int) -> torch.Tensor:
     if lay.f == h:
         return M
-    s = _free_slice(lay)
+    s = lay.free_slice
     if s is not None:
         return M[..., s, s]
     F = lay.free
@@ -154,7 +147,7 @@ def _add_free_block(lay: _Layout, out: torch.Tensor, Y: torch.Tensor, h: int) ->
     """``out`` (a fresh tensor, modified in place) plus ``Y`` on the free block."""
     if lay.f == h:
         return out + Y
-    s = _free_slice(lay)
+    s = lay.free_slice
     if s is not None:
         out[..., s, s] += Y
     else:
