@@ -207,3 +207,19 @@ def test_mismatched_head_dimension_is_a_named_error():
     with pytest.raises(ShapeError):
         M.proju(x, torch.ones_like(x))
     assert "subalgebra" in repr(M) or "RotaryCommutant" in repr(M)
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_tangent_check_can_fail_at_every_factor_scale(metric, scale):
+    """The horizontality check of the class uses the subgroup residual and its own scale."""
+    sub = RC.rotate_half(4, 2)
+    gen = torch.Generator().manual_seed(6)
+    M = manifold(sub, metric)
+    x = gl_point(M, H, gen, scale_g=scale)
+    p = M.proju(x, torch.randn(x.shape, generator=gen))
+    assert M.check_vector_on_tangent(x, p, atol=0.0, rtol=1e-8)
+    w = M.vertical(x, sub.random_algebra_element(gen))  # k-vertical: maximally non-horizontal
+    w = w * (M.norm(x, p) / M.norm(x, w))
+    assert not M.check_vector_on_tangent(x, w, atol=0.0, rtol=1e-5)
+    assert not M.check_vector_on_tangent(x, p + 1e-3 * w, atol=0.0, rtol=1e-5)
