@@ -16,9 +16,9 @@ they are compared with is derived here from the definitions alone:
 The projection solver of the library (a Schur complement in generalised eigenbases) is
 numeric; what is proven symbolically is the equation it solves, through a *solver* argument
 ``solve(R, grams, metric, sub) -> X`` that maps the vertical dual $R = D(\xi)$ to
-$X \in \mathfrak k$: the documented equation solved exactly (:func:`documented_x`), or a
-deliberately wrong shortcut (:func:`gl_lambda_then_project`) that the checks must refute.  The
-numeric bridge (:func:`subgroup_projection_bridge`) ties the torch solver to the projection
+$X \in \mathfrak k$: the documented equation solved exactly (`documented_x`), or a
+deliberately wrong shortcut (`gl_lambda_then_project`) that the checks must refute.  The
+numeric bridge (`subgroup_projection_bridge`) ties the torch solver to the projection
 derived from the metric.
 """
 
@@ -449,7 +449,7 @@ def check_projection_subgroup(
     $\pi_{\mathfrak k}(D(\xi) + L(X)) = 0$ is the metric-orthogonal projection onto the
     horizontal space of the subgroup quotient.
 
-    ``mode="equation"``: the identities of :func:`_equation_projection` (any size; with a
+    ``mode="equation"``: the identities of `_equation_projection` (any size; with a
     ``solve``, that solver is also proven to solve the equation, which is only feasible for
     small $\dim\mathfrak k$; ``solve=None`` proves the equation alone).  ``mode="direct"``:
     concrete $G, H$ and the coordinate metric of Eq. 9/10, $X$ = ``solve``$(D(\xi))$; proves
