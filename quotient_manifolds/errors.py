@@ -18,6 +18,7 @@ __all__ = [
     "EmptyDataError",
     "PrecisionError",
     "BlockSpecError",
+    "SubalgebraError",
     "DistributedError",
     "PopulationInputError",
     "MissingDependencyError",
@@ -89,6 +90,16 @@ class PrecisionError(QuotientManifoldError, TypeError):
 
 class BlockSpecError(QuotientManifoldError, ValueError):
     """A declared GL block does not match the model's parameters."""
+
+
+class SubalgebraError(QuotientManifoldError, ValueError):
+    """A subalgebra of gl(h) is described inconsistently.
+
+    E.g. rotary pairs that share an index or leave ``range(h)``, blocks that do not
+    partition ``range(h)``, or a matrix whose size is not ``h``.  The message names the
+    offending entry; rotary layouts are easiest built with
+    ``RotaryCommutant.rotate_half(h, rotary_dims)`` or ``RotaryCommutant.interleaved``.
+    """
 
 
 class DistributedError(QuotientManifoldError, RuntimeError):

@@ -6,7 +6,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/manifolds.md", "docs/index.md", "docs/adapters.md"]
+PAGES = ["README.md", "docs/manifolds.md", "docs/index.md", "docs/adapters.md", "docs/subgroups.md"]
 
 
 def _blocks(page):

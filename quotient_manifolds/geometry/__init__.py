@@ -1,5 +1,5 @@
 """Pure tensor math of the quotient geometries (no Manifold classes here)."""
 
-from . import adaptive, diagonal, gl, linalg, ode
+from . import adaptive, diagonal, gl, linalg, ode, subgroup
 
-__all__ = ["adaptive", "diagonal", "gl", "linalg", "ode"]
+__all__ = ["adaptive", "diagonal", "gl", "linalg", "ode", "subgroup"]

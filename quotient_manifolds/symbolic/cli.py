@@ -57,6 +57,14 @@ from .checks import (
     check_vertical_gl,
 )
 from .models import scalar_toy
+from .subgroups import (
+    check_projection_subgroup,
+    check_rotary_commutant,
+    check_vertical_subgroup,
+    documented_x,
+    subalgebra_label,
+    subgroup_projection_bridge,
+)
 
 __all__ = ["Entry", "SUITE", "select", "run_suite", "format_table", "main"]
 
@@ -285,6 +293,51 @@ def _suite() -> list[Entry]:
                 True,
             )
         )
+    out += _subgroup_suite()
+    return out
+
+
+def _subgroup_suite() -> list[Entry]:
+    """Subgroup quotients: the rotary commutant (RoPE) and its projection."""
+    from ..geometry.subgroup import RotaryCommutant as RC
+
+    E = Entry
+    full4, inter4, half3, half4 = (RC.rotate_half(4), RC.interleaved(4), RC.rotate_half(3, 2),
+                                   RC.rotate_half(4, 2))
+    out: list[Entry] = []
+    for sub, quick in ((RC.rotate_half(2), True), (full4, True), (inter4, False),
+                       (half3, True), (half4, False)):
+        out.append(E(f"rotary commutant {subalgebra_label(sub)}",
+                     lambda s=sub: check_rotary_commutant(s), quick))
+    for (n, m, sub), quick in (((2, 2, RC.rotate_half(2)), True), ((3, 3, half3), False),
+                               ((2, 2, full4), False), ((2, 2, half4), False)):
+        for metric in ("inv", "mix"):
+            out.append(E(f"vertical+horizontal subgroup {metric} {subalgebra_label(sub)}",
+                         lambda a=(n, m, sub, metric): check_vertical_subgroup(*a), quick))
+    for (n, m, sub, solve), quick in (((2, 2, RC.rotate_half(2), documented_x), True),
+                                      ((2, 2, half3, documented_x), False),
+                                      ((2, 2, full4, None), True), ((2, 2, inter4, None), False),
+                                      ((2, 2, half4, None), False)):
+        for metric in ("inv", "mix"):
+            out.append(E(
+                f"projection subgroup {metric} {subalgebra_label(sub)}"
+                + (" +solver" if solve else ""),
+                lambda a=(n, m, sub, metric), sv=solve: check_projection_subgroup(*a, solve=sv),
+                quick and (metric == "inv" or solve is not None)))
+    for metric in ("inv", "mix"):
+        out.append(E(f"projection subgroup {metric} ε h=2,rotate_half",
+                     lambda m=metric: check_projection_subgroup(
+                         2, 2, RC.rotate_half(2), m, solve=documented_x, eps=EPS), False))
+    for (n, m, sub, metric, eps), quick in (
+        ((3, 2, RC.rotate_half(2), "inv", 0.0), True),
+        ((5, 4, half4, "mix", 0.1), True),
+        ((5, 5, inter4, "inv", 0.0), False),
+        ((5, 4, half4, "inv", 0.1), False),
+        ((7, 6, RC.rotate_half(6, 4), "mix", 0.0), False),
+    ):
+        tag = f",eps={eps:g}" if eps else ""
+        out.append(E(f"projection subgroup {metric} (bridge) {subalgebra_label(sub)}{tag}",
+                     lambda a=(n, m, sub, metric, eps): subgroup_projection_bridge(*a), quick))
     return out
 
 
