@@ -144,9 +144,9 @@ class TangentSpace:
             return self.geodesic(u)
         return check_retraction(kind)  # raises
 
-    def clip_to_domain(self, u: torch.Tensor) -> torch.Tensor:
-        """`u` moved into the domain of the exact geodesic; the identity unless the manifold's
-        geodesic has a domain (the mix metric of diagonal nets)."""
+    def clip_to_domain(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        """`u` moved into the domain of the retraction `kind` (`None`: the manifold's); the
+        identity unless the exact geodesic has a domain (the mix metric of diagonal nets)."""
         return u
 
     # -- sampling -----------------------------------------------------------------
@@ -155,16 +155,29 @@ class TangentSpace:
         $S z \sim N(0, g^{-1})$ (before the horizontal projection)."""
         raise NotImplementedError
 
-    def sample(self, generator: Generator = None) -> torch.Tensor:
-        r"""A standard Gaussian horizontal vector: covariance the inverse metric restricted to the
-        horizontal space (unit radius), $\Pi(S z)$ with $z \sim N(0, I)$."""
-        z = standard_normal(self.x0.shape, generator, self.x0.dtype, self.x0.device)
-        return self.proju(self.metric_sqrt_inv(z))
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        """Shape of the standard normal noise that `sample` maps to a tangent vector."""
+        return tuple(self.x0.shape)
 
-    def sample_weighted(self, w2: torch.Tensor, generator: Generator = None) -> torch.Tensor:
+    def _noise(self, generator: Generator, noise: torch.Tensor | None) -> torch.Tensor:
+        if noise is not None:
+            return noise.to(self.x0.dtype)
+        return standard_normal(self.noise_shape, generator, self.x0.dtype, self.x0.device)
+
+    def sample(self, generator: Generator = None, *, noise: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        r"""A standard Gaussian horizontal vector: covariance the inverse metric restricted to the
+        horizontal space (unit radius), $\Pi(S z)$ with $z \sim N(0, I)$.
+
+        `noise` (shape `noise_shape`) replaces the draw of $z$ from `generator`.
+        """
+        return self.proju(self.metric_sqrt_inv(self._noise(generator, noise)))
+
+    def sample_weighted(self, w2: torch.Tensor, generator: Generator = None, *,
+                        noise: torch.Tensor | None = None) -> torch.Tensor:
         r"""A standard Gaussian horizontal vector of the diagonal norm $\sum u^2/w_2$."""
-        z = standard_normal(self.x0.shape, generator, self.x0.dtype, self.x0.device)
-        return self.proju_weighted(z * w2.sqrt(), w2)
+        return self.proju_weighted(self._noise(generator, noise) * w2.sqrt(), w2)
 
 
 class QuotientManifold(geoopt.manifolds.Manifold):

@@ -8,7 +8,7 @@ from ..errors import RankDeficientError, ShapeError
 from ..geometry import diagonal as dm
 from ..geometry.gl import METRICS
 from ..geometry.linalg import compute_dtype
-from .base import Generator, QuotientManifold, TangentSpace, assert_broadcastable, standard_normal
+from .base import Generator, QuotientManifold, TangentSpace, assert_broadcastable
 
 __all__ = ["DiagonalQuotient", "DiagonalTangentSpace"]
 
@@ -72,30 +72,40 @@ class DiagonalTangentSpace(TangentSpace):
         return self._join(*dm.geodesic(self.u, self.v, *self._split(u), self.metric),
                           self.x0.dtype)
 
-    def clip_to_domain(self, u: torch.Tensor, margin: float = 1e-6) -> torch.Tensor:
-        r"""mix: the horizontal coefficient clamped to $b \ge -\tfrac12 + \delta$ (the exact
-        geodesic $u\sqrt{1 + 2b}$ needs $1 + 2b > 0$), for horizontal `u`; inv: identity."""
-        if self.metric != "mix":
+    def clip_to_domain(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        r"""mix with the exact retraction: the horizontal coefficient clamped to
+        $b \ge -\tfrac12 + \delta$ (the geodesic $u\sqrt{1 + 2b}$ needs $1 + 2b > 0$;
+        $\delta$ = `domain_margin`), for horizontal `u`; otherwise the identity."""
+        kind = self.manifold.retraction if kind is None else kind
+        if self.metric != "mix" or kind != "exact":
             return u
         b = dm.horizontal_coefficient(self.u, self.v, *self._split(u))
-        b = b.clamp_min(-0.5 + margin)
+        b = b.clamp_min(-0.5 + self.manifold.domain_margin)
         return self._join(b * self.u, b * self.v, u.dtype)
 
-    def sample(self, generator: Generator = None) -> torch.Tensor:
-        r"""Standard Gaussian horizontal vector: $b = z/\sqrt 2$ (inv, $\|\xi\|^2 = 2\|b\|^2$)
-        or $b = z/(\sqrt 2 |uv|)$ (mix, $\|\xi\|^2 = 2\|uv \odot b\|^2$), $z \sim N(0, I_d)$."""
-        z = standard_normal(self.u.shape, generator, self.dtype, self.x0.device)
-        scale = 2**0.5 * ((self.u * self.v).abs() if self.metric == "mix" else 1.0)
-        b = z / scale
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        """`(..., d)`: one normal number per coordinate (the horizontal dimension)."""
+        return tuple(self.u.shape)
+
+    def _horizontal(self, b: torch.Tensor) -> torch.Tensor:
         return self._join(b * self.u, b * self.v, self.x0.dtype)
 
-    def sample_weighted(self, w2: torch.Tensor, generator: Generator = None) -> torch.Tensor:
+    def sample(self, generator: Generator = None, *, noise: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        r"""Standard Gaussian horizontal vector: $b = z/\sqrt 2$ (inv, $\|\xi\|^2 = 2\|b\|^2$)
+        or $b = z/(\sqrt 2 |uv|)$ (mix, $\|\xi\|^2 = 2\|uv \odot b\|^2$), $z \sim N(0, I_d)$."""
+        z = self._noise(generator, noise).to(self.dtype)
+        scale = 2**0.5 * ((self.u * self.v).abs() if self.metric == "mix" else 1.0)
+        return self._horizontal(z / scale)
+
+    def sample_weighted(self, w2: torch.Tensor, generator: Generator = None, *,
+                        noise: torch.Tensor | None = None) -> torch.Tensor:
         r"""Standard Gaussian horizontal vector of $\sum \eta^2/w_2$: $b = z / \sqrt{u^2/w_u +
         v^2/w_v}$."""
-        z = standard_normal(self.u.shape, generator, self.dtype, self.x0.device)
+        z = self._noise(generator, noise).to(self.dtype)
         wa, wc = self._split(w2.expand_as(self.x0))
-        b = z / (self.u**2 / wa + self.v**2 / wc).sqrt()
-        return self._join(b * self.u, b * self.v, self.x0.dtype)
+        return self._horizontal(z / (self.u**2 / wa + self.v**2 / wc).sqrt())
 
 
 class DiagonalQuotient(QuotientManifold):
@@ -116,6 +126,8 @@ class DiagonalQuotient(QuotientManifold):
         is ``(u√(1+2b), v√(1+2b))`` (Eq. 24).
     validate : bool
         Check shapes, finiteness and nonzero entries of inputs.
+    domain_margin : float
+        $\delta$ of the mix domain $b \ge -\tfrac12 + \delta$ used by `clip_to_domain`.
 
     Notes
     -----
@@ -129,12 +141,14 @@ class DiagonalQuotient(QuotientManifold):
     ndim = 2
 
     def __init__(
-        self, metric: str = "inv", retraction: str = "exact", *, validate: bool = True
+        self, metric: str = "inv", retraction: str = "exact", *, validate: bool = True,
+        domain_margin: float = 1e-6,
     ) -> None:
         super().__init__(retraction, validate)
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
         self.metric = metric
+        self.domain_margin = float(domain_margin)
 
     def extra_repr(self) -> str:
         return f"metric={self.metric!r}, {super().extra_repr()}"

@@ -29,6 +29,9 @@ class ProductTangentSpace:
         The factors; each base point has shape `(*problems, *part_shape)`.
     problems : tuple of int
         Leading dimensions of independent problems (`()` for one model).
+    kinds : sequence of str, optional
+        The retraction of each factor (default: each manifold's own), used by `retract` and
+        `clip_to_domain`.
     labels : sequence of str, optional
         A label per factor (e.g. `"blocks"`, `"adaptive"`): [`inner_by_label`][quotient_manifolds.manifolds.product.ProductTangentSpace.inner_by_label]
         sums the parts of each label.
@@ -40,8 +43,10 @@ class ProductTangentSpace:
     """
 
     def __init__(self, spaces: Sequence[TangentSpace], problems: tuple[int, ...] = (),
-                 labels: Sequence[str] | None = None) -> None:
+                 labels: Sequence[str] | None = None,
+                 kinds: Sequence[str | None] | None = None) -> None:
         self.spaces = list(spaces)
+        self.kinds = [None] * len(self.spaces) if kinds is None else list(kinds)
         self.problems = tuple(int(p) for p in problems)
         p = len(self.problems)
         for s in self.spaces:
@@ -127,14 +132,18 @@ class ProductTangentSpace:
         return self._map(lambda s, a: s.egrad2rgrad(a), g)
 
     def clip_to_domain(self, u: torch.Tensor) -> torch.Tensor:
-        """`u` moved into the domain of every factor's exact geodesic."""
-        return self._map(lambda s, a: s.clip_to_domain(a), u)
+        """`u` moved into the domain of every factor's retraction."""
+        if not any(type(s).clip_to_domain is not TangentSpace.clip_to_domain
+                   for s in self.spaces):
+            return u
+        return self.join([s.clip_to_domain(a, k) for s, a, k in
+                          zip(self.spaces, self.split(u), self.kinds, strict=True)])
 
     def retract(self, u: torch.Tensor, kinds: Sequence[str | None] | None = None
                 ) -> list[torch.Tensor]:
         """The points reached along `u`, one per factor, by the retraction `kinds[k]` of each
-        factor (`None`: the factor manifold's own)."""
-        kinds = [None] * len(self.spaces) if kinds is None else list(kinds)
+        factor (default: `self.kinds`; `None`: the factor manifold's own)."""
+        kinds = self.kinds if kinds is None else list(kinds)
         return [s.retract(a, k) for s, a, k in zip(self.spaces, self.split(u), kinds,
                                                    strict=True)]
 

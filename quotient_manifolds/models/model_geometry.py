@@ -249,8 +249,8 @@ class ModelGeometry:
         self._build_adaptive()
         spaces = [grp.space for grp in self.groups] + [self.adaptive_space]
         labels = ["blocks"] * len(self.groups) + ["adaptive"]
-        self.space = ProductTangentSpace(spaces, (), labels)
         self.kinds = [g.retraction] * len(self.groups) + [g.adaptive_retraction]
+        self.space = ProductTangentSpace(spaces, (), labels, self.kinds)
 
     # -- construction -----------------------------------------------------
     def _select_blocks(self, blocks: list[BlockSpec], fallbacks: list[Fallback]):
