@@ -1,8 +1,9 @@
 r"""Shared machinery of the quotient manifolds: frozen tangent spaces, the retraction table,
 checks and transport.
 
-Every manifold implements its geometry once, in a [`TangentSpace`][quotient_manifolds.manifolds.base.TangentSpace]
-built by `M.at(x0)` for one base point. The manifold's geoopt methods (`inner`, `proju`,
+Every manifold implements its geometry once, in a
+[`TangentSpace`][quotient_manifolds.manifolds.base.TangentSpace] built by `M.at(x0)` for one
+base point. The manifold's geoopt methods (`inner`, `proju`,
 `egrad2rgrad`, `retr`, `expmap`, …) build `self.at(x)` and call it, so geoopt optimizers and the
 sharpness engine run the same code.
 """
@@ -33,7 +34,8 @@ Generator = torch.Generator | Sequence[torch.Generator] | None
 
 
 def check_retraction(kind: str) -> str:
-    """`kind` if it names a retraction of [`RETRACTIONS`][quotient_manifolds.manifolds.base.RETRACTIONS]."""
+    """`kind` if it names a retraction of
+    [`RETRACTIONS`][quotient_manifolds.manifolds.base.RETRACTIONS], else ValueError."""
     if kind not in RETRACTIONS:
         raise ValueError(f"retraction must be one of {RETRACTIONS}, got {kind!r}")
     return kind

@@ -62,7 +62,8 @@ class DiagonalTangentSpace(TangentSpace):
         return self._join(*dm.egrad2rgrad(self.u, self.v, *self._split(g), self.metric), g.dtype)
 
     def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
-        r"""$\Gamma_x(u, v)$ of [`geometry.diagonal.christoffel`][quotient_manifolds.geometry.diagonal.christoffel]."""
+        r"""$\Gamma_x(u, v)$ of
+        [`geometry.diagonal.christoffel`][quotient_manifolds.geometry.diagonal.christoffel]."""
         ua, uc = self._split(u)
         va, vc = (ua, uc) if v is None else self._split(v)
         return self._join(*dm.christoffel(self.u, self.v, ua, uc, va, vc, self.metric), u.dtype)
@@ -223,7 +224,7 @@ class DiagonalQuotient(QuotientManifold):
         return DiagonalTangentSpace(self, x)
 
     def horizontal_coefficient(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""$b = \tfrac12(\eta_u/u + \eta_v/v)$: the horizontal part of `u` as a `(..., d)` tensor."""
+        r"""$b = \tfrac12(\eta_u/u + \eta_v/v)$: the horizontal part of `u`, `(..., d)`."""
         return self._at(x, u).horizontal_coefficient(u)
 
     # -- group structure --------------------------------------------------------

@@ -153,7 +153,8 @@ class GLTangentSpace(TangentSpace):
         return _join(cG, cH, u.dtype)
 
     def geodesic(self, u: torch.Tensor) -> torch.Tensor:
-        """RK4 in the $2h$-dim span of $[F, u_F]$ ([`gl.geodesic`][quotient_manifolds.geometry.gl.geodesic])."""
+        """RK4 in the $2h$-dim span of $[F, u_F]$
+        ([`gl.geodesic`][quotient_manifolds.geometry.gl.geodesic])."""
         yG, yH = gl.geodesic(self.G, self.H, *self.split(u), self.metric, self.eps,
                              self.manifold.steps)
         return _join(yG, yH, self.x0.dtype)

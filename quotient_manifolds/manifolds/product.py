@@ -33,7 +33,8 @@ class ProductTangentSpace:
         The retraction of each factor (default: each manifold's own), used by `retract` and
         `clip_to_domain`.
     labels : sequence of str, optional
-        A label per factor (e.g. `"blocks"`, `"adaptive"`): [`inner_by_label`][quotient_manifolds.manifolds.product.ProductTangentSpace.inner_by_label]
+        A label per factor (e.g. `"blocks"`, `"adaptive"`);
+        [`inner_by_label`][quotient_manifolds.manifolds.product.ProductTangentSpace.inner_by_label]
         sums the parts of each label.
 
     Notes

@@ -3,8 +3,8 @@
 Imports only from :mod:`quotient_manifolds.manifolds`, ``geometry`` and ``errors``.
 """
 
-from .config import Geometry
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block
+from .config import Geometry
 from .discovery import Fallback, discover, discover_blocks
 from .model_geometry import ModelGeometry, select_parameters
 from .reparam import reparametrize

@@ -187,7 +187,8 @@ class ModelGeometry:
     geometry : Geometry
         Metric, symmetries, retractions, relaxations and ball.
     params : names, tensors, dict or predicate, optional
-        The perturbed parameters ([`select_parameters`][quotient_manifolds.models.model_geometry.select_parameters];
+        The perturbed parameters
+        ([`select_parameters`][quotient_manifolds.models.model_geometry.select_parameters];
         default: those with `requires_grad=True`).
     symmetries : object, optional
         The model's symmetries (`blocks`, `fallbacks`, `canonicalize`), e.g. from

@@ -10,8 +10,9 @@ $w + \xi$ on every other weight. The maximiser is found separately for every bat
 by default) and the per-batch increases are averaged.
 
 The pieces: a [`Geometry`][quotient_manifolds.models.config.Geometry] (metric, symmetries,
-retractions, ball) gives the [`ModelGeometry`][quotient_manifolds.models.model_geometry.ModelGeometry]
-of the model (a product of tangent spaces) and the feasible set
+retractions, ball) gives the
+[`ModelGeometry`][quotient_manifolds.models.model_geometry.ModelGeometry] of the model (a
+product of tangent spaces) and the feasible set
 ([`feasible`][quotient_manifolds.sharpness.feasible]); a solver
 ([`solvers`][quotient_manifolds.sharpness.solvers]) maximises (or averages) over the set.
 

@@ -23,7 +23,7 @@ Every set offers `project`, `direction` (the normalised steepest-ascent directio
 norm), `rgrad` (the unnormalised one: the gradient in `inner`), `proju`, `inner`, `norm`, `norms`
 and `sample` (the Gaussian of the average case, at radius $\rho$). `mask` (0/1, shaped like a
 tangent vector) freezes entries at 0.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from collections.abc import Sequence
 import torch
 
 from ..manifolds.base import Generator, standard_normal
-from ..models.config import BALLS
 from ..manifolds.product import ProductTangentSpace
+from ..models.config import BALLS
 
 __all__ = ["BALLS", "FeasibleSet", "MetricBall", "AdaptiveNormBall", "Ellipsoid", "Box",
            "make_feasible"]
@@ -198,7 +198,8 @@ class AdaptiveNormBall(_HorizontalBall):
     entry, GL blocks included, with $\xi$ horizontal (App. G ablation (a)).
 
     The projection is exact in the set's own norm: the horizontal projection orthogonal in
-    $\|\cdot \oslash c\|_2$ ([`proju_weighted`][quotient_manifolds.manifolds.base.TangentSpace.proju_weighted]),
+    $\|\cdot \oslash c\|_2$
+    ([`proju_weighted`][quotient_manifolds.manifolds.base.TangentSpace.proju_weighted]),
     then the radial shrink. The ascent direction is the gradient of that norm made horizontal
     the same way, $\Pi^{c}(c^2 \odot \nabla L)$, normalised.
 

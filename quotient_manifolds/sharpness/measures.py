@@ -17,7 +17,7 @@ Each entry is a frozen [`Measure`][quotient_manifolds.sharpness.measures.Measure
 | `…-average` | Gaussian average | the average case (App. D) |
 
 Result keys in the experiments use underscores: [`Measure.key`][quotient_manifolds.sharpness.measures.Measure.key].
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

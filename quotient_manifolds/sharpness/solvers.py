@@ -4,14 +4,14 @@ r"""Solvers of the inner problem of a sharpness measure, one per batch.
   reference settings (the default);
 * [`Average`][quotient_manifolds.sharpness.solvers.Average]: the average case, the mean loss over
   Gaussian perturbations of the feasible set's geometry;
-* [`GeooptSolver`][quotient_manifolds.sharpness.solvers.GeooptSolver]: the worst case by any geoopt
-  optimizer, on one [`geoopt.ManifoldParameter`](https://geoopt.readthedocs.io) over the packed
-  perturbation whose manifold ([`FeasibleSetManifold`][quotient_manifolds.sharpness.solvers.FeasibleSetManifold])
+* [`GeooptSolver`][quotient_manifolds.sharpness.solvers.GeooptSolver]: the worst case by any
+  geoopt optimizer, on one `geoopt.ManifoldParameter` over the packed perturbation whose
+  manifold, [`FeasibleSetManifold`][quotient_manifolds.sharpness.solvers.FeasibleSetManifold],
   has the feasible set's projection as `retr` and `projx`, so the optimizer's state stays
   consistent and the same set as APGD's is searched.
 
-Every solver records its own settings only ([`settings`][quotient_manifolds.sharpness.solvers.APGD.settings]);
-`progress=True` shows a tqdm bar over the batches.
+Every solver records its own settings only (its `settings()`); `progress=True` shows a tqdm bar
+over the batches.
 """
 
 from __future__ import annotations
