@@ -21,6 +21,7 @@ from ..experiments.population import (
     format_table,
     read_jsonl,
 )
+from ..sharpness.measures import MEASURES as TABLE
 
 __all__ = ["add_subcommands"]
 
@@ -28,10 +29,10 @@ __all__ = ["add_subcommands"]
 # -- command line ---------------------------------------------------------------------------
 def _measures_arg(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in MEASURES]
+    bad = [n for n in names if n not in TABLE]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown measure(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MEASURES)}"
+            f"unknown measure(s) {', '.join(bad) or '(none)'}; choose from {', '.join(TABLE)}"
         )
     return names
 
@@ -107,7 +108,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="loss_fn(model, batch) -> scalar; default model(**batch).loss for dict "
                    "batches with labels, cross_entropy(model(x), y) for (x, y) batches")
     s.add_argument("--measures", type=_measures_arg, default=list(MEASURES),
-                   help=f"comma-separated subset of {','.join(MEASURES)} (default: all)")
+                   help=f"comma-separated names of the measure table ({','.join(TABLE)}; "
+                        f"default: {','.join(MEASURES)})")
     s.add_argument("--rho", type=_positive, default=0.1, help="radius of the ball (default 0.1)")
     s.add_argument("--n-iter", type=int, default=20, help="APGD iterations (default 20)")
     s.add_argument("--seed", type=int, default=0)

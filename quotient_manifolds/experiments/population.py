@@ -73,8 +73,9 @@ __all__ = [
 ]
 
 MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix")
-"""The measures of ``--measures``: adaptive sharpness (ℓ2, reference algorithm, spec §9) and
-geodesic sharpness with the ``inv`` or ``mix`` metric (second-order retraction, spec §7)."""
+"""The default ``--measures``: adaptive sharpness (ℓ2, reference algorithm) and geodesic
+sharpness with the ``inv`` or ``mix`` metric (second-order retraction). Any name of the
+measure table :data:`quotient_manifolds.sharpness.measures.MEASURES` is accepted."""
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -340,10 +341,12 @@ def evaluate_population(
     """
     from tqdm.auto import tqdm
 
-    bad = [m for m in measures if m not in MEASURES]
+    from ..sharpness.measures import MEASURES as TABLE
+
+    bad = [m for m in measures if m not in TABLE]
     if bad or not measures:
         raise PopulationInputError(
-            f"unknown measure(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MEASURES)}"
+            f"unknown measure(s) {', '.join(bad) or '(none)'}; choose from {', '.join(TABLE)}"
         )
     if not (isinstance(rho, (int, float)) and rho > 0 and math.isfinite(rho)):
         raise PopulationInputError(f"--rho {rho} must be a positive number, e.g. --rho 0.1")
