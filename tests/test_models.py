@@ -277,7 +277,9 @@ def test_model_geometry_is_the_product_of_the_manifolds_tangent_spaces():
     geo = qm.ModelGeometry(model)
     u = geo.space.proju(torch.randn(geo.D, dtype=geo.dtype))
     parts = geo.space.split(u)
-    total = (parts[-1] ** 2 / geo.w0**2).sum()
+    live = geo.w0 != 0  # zero weights (untrained biases) are frozen: no metric term
+    assert geo.n_masked_zeros == int((~live).sum()) > 0
+    total = (parts[-1] ** 2 / geo.w0**2)[live].sum()
     for g, ug in zip(geo.groups, parts, strict=False):
         torch.testing.assert_close(g.manifold.proju(g.x0, ug), ug)  # Π is idempotent
         total = total + g.manifold.inner(g.x0, ug).sum()
@@ -327,4 +329,7 @@ def test_tiny_float32_weights_are_masked_like_zeros():
     with pytest.warns(qm.NoBlocksWarning):
         geo = qm.ModelGeometry(lin)
     assert geo.n_masked_zeros == 2
-    assert bool((geo.c2 > 0).all())
+    # they stay in the flat vector, frozen: no metric term, zero gradient, never moved
+    assert int((geo.c2 == 0).sum()) == 2 and bool(torch.isfinite(geo.adaptive_space.inv_c2).all())
+    g = torch.ones(geo.D)
+    assert int((geo.space.egrad2rgrad(g) == 0).sum()) == 2

@@ -19,6 +19,11 @@ class AdaptiveTangentSpace(TangentSpace):
     vertical space.
 
     Computations run in the working dtype (float32, or float64 for float64 points).
+
+    Entries with $c^2 = 0$ (zero weights with $\varepsilon = 0$, possible only through a
+    manifold with `validate=False`; a validating manifold raises `ZeroWeightError`) are frozen:
+    the metric is infinite there, so every gradient, sample and step is 0 on them, and `inner`
+    ignores them (their components are 0 in every vector this space produces).
     """
 
     def __init__(self, manifold: AdaptiveEuclidean, x0: torch.Tensor) -> None:
@@ -27,6 +32,12 @@ class AdaptiveTangentSpace(TangentSpace):
         self.dtype = compute_dtype(x0.dtype)
         self.w = x0.to(self.dtype)
         self.c2 = am.scale2(self.w, self.eps)
+        self.live = self.c2 > 0
+        self.frozen = not bool(self.live.all()) if self.c2.numel() else False
+        self.inv_c2 = self.c2.reciprocal()
+        if self.frozen:
+            self.inv_c2.masked_fill_(~self.live, 0.0)
+        self._buf: torch.Tensor | None = None
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.ndim > 0:
@@ -38,9 +49,16 @@ class AdaptiveTangentSpace(TangentSpace):
 
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         r"""$\sum u v / (w^2 + \varepsilon)$ over the trailing `ndim` dimensions."""
-        u_ = u.to(self.dtype)
-        v_ = u_ if v is None else v.to(self.dtype)
-        return self._reduce(u_ * v_ / self.c2).to(u.dtype)
+        v = u if v is None else v
+        if (self.ndim == 1 and self.x0.dim() == 1 and u.shape == v.shape == self.x0.shape
+                and u.dtype == v.dtype == self.dtype
+                and not (torch.is_grad_enabled() and (u.requires_grad or v.requires_grad))):
+            # one vector: Σ (u ⊙ c⁻²) v through a reused buffer (no fresh allocation)
+            if self._buf is None:
+                self._buf = torch.empty_like(self.inv_c2)
+            return torch.dot(torch.mul(u, self.inv_c2, out=self._buf), v)
+        u_, v_ = u.to(self.dtype), v.to(self.dtype)
+        return self._reduce(u_ * v_ * self.inv_c2).to(u.dtype)
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:
         """Identity (no vertical space), broadcast to the shape of the point."""
@@ -50,19 +68,25 @@ class AdaptiveTangentSpace(TangentSpace):
         """Identity: every vector is horizontal, whatever the norm."""
         return self.proju(u)
 
-    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
-        r"""$(w^2 + \varepsilon) \odot \nabla L$."""
+    def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r"""$(w^2 + \varepsilon) \odot \nabla L$ (into `out` if given)."""
+        if out is not None and g.dtype == self.dtype:
+            return torch.mul(g, self.c2, out=out)
         return (self.c2 * g.to(self.dtype)).to(g.dtype)
+
+    def _frozen_zero(self, t: torch.Tensor, where_frozen: torch.Tensor | float) -> torch.Tensor:
+        return torch.where(self.live, t, where_frozen) if self.frozen else t
 
     def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         r"""$\Gamma_w(u, v) = -w u v / (w^2 + \varepsilon)$."""
         u_ = u.to(self.dtype)
         v_ = u_ if v is None else v.to(self.dtype)
-        return am.christoffel(self.w, u_, v_, self.eps).to(u.dtype)
+        return self._frozen_zero(am.christoffel(self.w, u_, v_, self.eps), 0.0).to(u.dtype)
 
     def geodesic(self, u: torch.Tensor) -> torch.Tensor:
         r"""$w e^{\xi/w}$ ($\varepsilon = 0$), else the flat-coordinate form."""
-        return am.geodesic(self.w, u.to(self.dtype), self.eps).to(self.x0.dtype)
+        return self._frozen_zero(am.geodesic(self.w, u.to(self.dtype), self.eps),
+                                 self.w).to(self.x0.dtype)
 
     def metric_sqrt_inv(self, z: torch.Tensor) -> torch.Tensor:
         r"""$z \odot \sqrt{w^2 + \varepsilon}$."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .adaptive import AdaptiveTangentSpace
 from .base import Generator, TangentSpace
 
 __all__ = ["ProductTangentSpace"]
@@ -89,6 +90,14 @@ class ProductTangentSpace:
         views = [self.split(v) for v in vectors]
         return self.join([fn(s, *vs) for s, *vs in zip(self.spaces, *views, strict=True)])
 
+    def _map_into(self, fn, u: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`fn(space, part)` of every part written into `out` (which may be `u`)."""
+        for s, a, o in zip(self.spaces, self.split(u), self.split(out), strict=True):
+            r = fn(s, a, o)
+            if r is not o:
+                o.copy_(r)
+        return out
+
     # -- the metric ---------------------------------------------------------------
     def _to_problems(self, t: torch.Tensor) -> torch.Tensor:
         p = len(self.problems)
@@ -120,16 +129,47 @@ class ProductTangentSpace:
         return self.inner(u).clamp_min(0).sqrt()
 
     # -- projections, gradients, retractions ----------------------------------------
-    def proju(self, u: torch.Tensor) -> torch.Tensor:
-        r"""The metric-orthogonal horizontal projection, factor by factor."""
+    def proju(self, u: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r"""The metric-orthogonal horizontal projection, factor by factor (into `out`, which
+        may be `u`, if given)."""
+        if out is not None:
+            return self._map_into(lambda s, a, o: s.proju(a), u, out)
         return self._map(lambda s, a: s.proju(a), u)
 
     def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         r"""The horizontal projection orthogonal in $\sum u^2/w_2$, factor by factor."""
         return self._map(lambda s, a, w: s.proju_weighted(a, w), u, w2)
 
-    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
-        """The horizontal Riemannian gradient, factor by factor."""
+    def egrad2rgrad_and_norm2(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The Riemannian gradient written over `g`, and its squared norm.
+
+        The norm uses the gradient identity $\|r\|^2_x = \langle g, r\rangle_E$ (Euclidean) for
+        $r = \Pi(g^{-1}\nabla)$ on the block factors, which needs no metric product; the
+        adaptive factors use the metric. One value per problem.
+        """
+        total = None
+        for s, a in zip(self.spaces, self.split(g), strict=True):
+            if isinstance(s, AdaptiveTangentSpace):
+                r = s.egrad2rgrad(a, out=a)
+                n2 = self._to_problems(s.inner(r))
+            else:
+                r = s.egrad2rgrad(a)
+                n2 = self._to_problems((a * r).sum(dim=tuple(range(len(self.problems), a.dim()))))
+                a.copy_(r)
+            total = n2 if total is None else total + n2
+        if total is None:
+            total = torch.zeros(self.problems, dtype=g.dtype, device=g.device)
+        return g, total
+
+    def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The horizontal Riemannian gradient, factor by factor (into `out`, which may be `g`,
+        if given)."""
+        if out is not None:
+            def fn(s, a, o):
+                if isinstance(s, AdaptiveTangentSpace):
+                    return s.egrad2rgrad(a, out=o)
+                return s.egrad2rgrad(a)
+            return self._map_into(fn, g, out)
         return self._map(lambda s, a: s.egrad2rgrad(a), g)
 
     def clip_to_domain(self, u: torch.Tensor) -> torch.Tensor:

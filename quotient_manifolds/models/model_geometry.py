@@ -26,9 +26,9 @@ parameters keep their values.
 canonical representative of the model's orbit, and frozen entries never move. The model itself
 is never written to.
 
-**Zero weights.** With `adaptive_eps = 0` the adaptive metric is undefined at $w = 0$; such
-entries are excluded from the flat vector and never move (the reference code behaves the same
-way, since its perturbation is $\delta \odot |w|$).
+**Zero weights.** With `adaptive_eps = 0` the adaptive metric is infinite at $w = 0$; such
+entries never move (the adaptive tangent space freezes them; the reference code behaves the same
+way, since its perturbation is $\delta \odot |w|$). `n_masked_zeros` counts them.
 """
 
 from __future__ import annotations
@@ -328,10 +328,10 @@ class ModelGeometry:
                 free = ~fz if free is None else free & ~fz
             if g.adaptive_eps == 0:
                 # w² must be positive, not only w: tiny float32 weights (|w| < 1e-22)
-                # square to 0, which would make ξ²/w² a 0/0 (seen in all-MiniLM-L6-v2).
-                nz = am.scale2(w.to(self.dtype), 0.0) > 0
-                masked += int((~nz if free is None else (~nz & free)).sum())
-                free = nz if free is None else free & nz
+                # square to 0 (seen in all-MiniLM-L6-v2). Such entries stay in the flat
+                # vector, frozen by the adaptive tangent space (c² = 0: they never move).
+                zero = am.scale2(w.to(self.dtype), 0.0) == 0
+                masked += int((zero if free is None else (zero & free)).sum())
             if free is None or bool(free.all()):
                 idx, vals = None, w.reshape(-1)
             elif bool(free.any()):
@@ -349,6 +349,7 @@ class ModelGeometry:
         self.adaptive = AdaptiveEuclidean(g.adaptive_eps, g.adaptive_retraction, ndim=1,
                                           validate=False)
         self.adaptive_space = self.adaptive.at(self.w0)
+        self._point_buffer: torch.Tensor | None = None
 
     # -- packed vectors ---------------------------------------------------------
     @property
@@ -405,11 +406,15 @@ class ModelGeometry:
         Parameters not touched keep their (detached) base tensors. Differentiable in
         `points`; the model's own parameters are never read or written.
         """
-        new = dict(self.base)
         # One split per tensor, not one slice per parameter: the backward of a split is a
         # single concatenation, while every slice's backward materialises a zero tensor the
         # size of the whole flat vector (quadratic in the number of parameters).
         pieces = torch.split(points[-1], [e.stop - e.start for e in self.entries])
+        return self._to_params(points[:-1], pieces)
+
+    def _to_params(self, points: Sequence[torch.Tensor], pieces: Sequence[torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+        new = dict(self.base)
         for e, piece in zip(self.entries, pieces, strict=True):
             base = self.base[e.name]
             piece = piece.to(base.dtype)
@@ -426,6 +431,44 @@ class ModelGeometry:
     def params_at(self, xi: torch.Tensor) -> dict[str, torch.Tensor]:
         """`to_params(retract(xi))`: the perturbed parameters."""
         return self.to_params(self.retract(xi))
+
+    def params_and_leaves(self, xi: torch.Tensor
+                          ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        r"""The perturbed parameters at `xi` and leaf tensors whose gradients, flattened and
+        concatenated in order (`pack_grads`), are the gradient with respect to `xi`.
+
+        The leaves are the block parts of `xi` and, when the adaptive retraction is first order
+        ($w + \xi$, identity Jacobian), the perturbed adaptive entries themselves, written into
+        a buffer reused from call to call (valid until the next call): the backward pass then
+        produces the adaptive gradient directly, without copying it through $\xi$. Otherwise
+        the adaptive part of `xi` is one more leaf.
+        """
+        parts = [p.detach() for p in self.space.split(xi.detach())]
+        leaves = [p.requires_grad_() for p in parts[:-1]]
+        points = [s.retract(p, k) for s, p, k in zip(self.space.spaces[:-1], leaves,
+                                                        self.kinds[:-1], strict=True)]
+        xa = parts[-1]
+        if self.geometry.adaptive_retraction == "first_order":
+            if self._point_buffer is None or self._point_buffer.shape != xa.shape:
+                self._point_buffer = torch.empty_like(self.w0)
+            pa = torch.add(self.w0, xa, out=self._point_buffer)
+            pieces = [t.requires_grad_() for t in
+                      torch.split(pa, [e.stop - e.start for e in self.entries])]
+            leaves += pieces
+            return self._to_params(points, pieces), leaves
+        xa.requires_grad_()
+        leaves.append(xa)
+        return self.to_params(points + [self.adaptive_space.retract(xa, self.kinds[-1])]), leaves
+
+    def pack_grads(self, leaves: Sequence[torch.Tensor],
+                   grads: Sequence[torch.Tensor | None], out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The flat gradient with respect to ξ from the leaves' gradients (`None`: zero)."""
+        flat = [torch.zeros(t.numel(), dtype=t.dtype, device=t.device) if g is None
+                else g.reshape(-1) for t, g in zip(leaves, grads, strict=True)]
+        if not flat:
+            return torch.zeros(0, dtype=self.dtype, device=self.w0.device)
+        return torch.cat(flat, out=out) if out is not None else torch.cat(flat)
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Points of an arbitrary parameter dict, one per factor (the inverse of `to_params`)."""

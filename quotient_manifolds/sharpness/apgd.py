@@ -87,7 +87,9 @@ def apgd(
     Parameters
     ----------
     objective : callable
-        `objective(xi) -> (loss, grad)`, shapes `(*problems)` and `(*problems, D)`.
+        `objective(xi) -> (loss, grad)`, shapes `(*problems)` and `(*problems, D)`. The
+        gradient is not used after the step it was computed for, so the objective may return
+        the same buffer every time.
     feasible : FeasibleSet
         The set: `direction(ξ, g)` (normalised ascent direction), `step(ξ, d, η)`
         ($P_S(\xi + \eta d)$), `project` and `zeros()`; its radius $\rho$ sets the step.
@@ -133,11 +135,13 @@ def apgd(
         res.best_loss = torch.where(better, loss, res.best_loss)
         res.best_xi = _select(better, xi, res.best_xi)
         n_improve = n_improve + better.to(torch.float64)
-        z = feasible.step(xi, feasible.direction(xi, grad), eta.to(xi.dtype))
+        # the gradient is not needed after this: direction and step may reuse its memory
+        d = feasible.direction(xi, grad, inplace=True)
+        z = feasible.step(xi, d, eta.to(xi.dtype), inplace=True)
         if k == 0:
-            new = z
-        elif momentum_form == "reference":
-            new = torch.lerp(xi, z, momentum)
+            new = z.clone()  # z may live in the gradient's memory
+        elif momentum_form == "reference":  # ξ + α(z − ξ); z is not needed after this
+            new = torch.add(xi, z.sub_(xi), alpha=momentum)
         else:
             new = feasible.project(torch.lerp(xi, z, momentum) + (1 - momentum) * (xi - xi_prev))
         xi_prev, xi = xi, new.detach()

@@ -144,6 +144,7 @@ class _BatchProblem:
     def __init__(self, geo: ModelGeometry, ev: _Evaluator, batch, b: int) -> None:
         self.geo, self.ev, self.batch, self.b = geo, ev, batch, b
         self.k = 0
+        self._grad: torch.Tensor | None = None
 
     def _detached(self, loss: torch.Tensor) -> DetachedLossError:
         return DetachedLossError(
@@ -152,20 +153,27 @@ class _BatchProblem:
             "torch.no_grad() inside loss_fn), computed by calling the model it is given."
         )
 
-    def loss(self, xi: torch.Tensor) -> torch.Tensor:
-        """The loss at ξ (a graph to ξ when grad mode is on and ξ requires grad)."""
-        loss = self.ev(self.geo.params_at(xi), self.batch)
-        if torch.is_grad_enabled() and xi.requires_grad and not loss.requires_grad:
+    def _check(self, loss: torch.Tensor, needs_grad: bool) -> None:
+        if needs_grad and not loss.requires_grad:
             raise self._detached(loss)
         _finite(float(loss.detach()), self.b, f"at step {self.k}")
         self.k += 1
+
+    def loss(self, xi: torch.Tensor) -> torch.Tensor:
+        """The loss at ξ (a graph to ξ when grad mode is on and ξ requires grad)."""
+        loss = self.ev(self.geo.params_at(xi), self.batch)
+        self._check(loss, torch.is_grad_enabled() and xi.requires_grad)
         return loss
 
     def loss_and_grad(self, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = xi.detach().requires_grad_(True)
-        loss = self.loss(x)
-        (g,) = torch.autograd.grad(loss, x, allow_unused=True)
-        return loss.detach(), torch.zeros_like(x) if g is None else g
+        """The loss at ξ and its gradient; the gradient lives in a buffer reused by every call."""
+        params, leaves = self.geo.params_and_leaves(xi)
+        loss = self.ev(params, self.batch)
+        self._check(loss, True)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        if self._grad is None:
+            self._grad = torch.empty_like(xi)
+        return loss.detach(), self.geo.pack_grads(leaves, grads, out=self._grad)
 
 
 # -- driver -------------------------------------------------------------------------

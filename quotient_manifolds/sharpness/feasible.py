@@ -80,21 +80,29 @@ class FeasibleSet:
         """`u * s` with one factor `s` per problem."""
         return u * s if _scalar(s) else u * s.unsqueeze(-1)
 
-    def _normalise(self, u: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """`u / n` per problem, 0 where `n = 0`."""
+    def _normalise(self, u: torch.Tensor, n: torch.Tensor, inplace: bool = False
+                   ) -> torch.Tensor:
+        """`u / n` per problem, 0 where `n = 0` (in `u`'s memory if `inplace`)."""
         if _scalar(n):
             v = float(n)
+            if inplace:
+                return u.mul_(1.0 / v) if v > 0 else u.zero_()
             return u / v if v > 0 else torch.zeros_like(u)
-        return self._scale(u, torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0))
+        s = torch.where(n > 0, 1.0 / torch.where(n > 0, n, 1.0), 0.0)
+        return u.mul_(s.unsqueeze(-1)) if inplace else self._scale(u, s)
 
-    def _radial(self, u: torch.Tensor) -> torch.Tensor:
-        r"""$u \min(1, \rho/\|u\|)$ per problem (no copy when nothing moves)."""
+    def _radial(self, u: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        r"""$u \min(1, \rho/\|u\|)$ per problem (no copy when nothing moves; in `u`'s memory
+        if `inplace`)."""
         n = self.norm(u)
         if _scalar(n):
             v = float(n)
-            return u if v <= self.rho or v == 0.0 else u * (self.rho / v)
+            if v <= self.rho or v == 0.0:
+                return u
+            return u.mul_(self.rho / v) if inplace else u * (self.rho / v)
         tiny = torch.finfo(n.dtype).tiny
-        return self._scale(u, torch.clamp(self.rho / n.clamp_min(tiny), max=1.0))
+        s = torch.clamp(self.rho / n.clamp_min(tiny), max=1.0)
+        return u.mul_(s.unsqueeze(-1)) if inplace else self._scale(u, s)
 
     # -- the interface ----------------------------------------------------------
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,8 +126,12 @@ class FeasibleSet:
         """The ascent direction field before normalisation (the gradient in `inner`)."""
         raise NotImplementedError
 
-    def direction(self, xi: torch.Tensor, egrad: torch.Tensor) -> torch.Tensor:
-        """The normalised steepest-ascent direction of the set's norm (0 where `egrad` is 0)."""
+    def direction(self, xi: torch.Tensor, egrad: torch.Tensor, *,
+                  inplace: bool = False) -> torch.Tensor:
+        """The normalised steepest-ascent direction of the set's norm (0 where `egrad` is 0).
+
+        `inplace=True` allows the result to be written into `egrad`'s memory.
+        """
         r = self.rgrad(egrad)
         return self._normalise(r, self.norm(r))
 
@@ -127,15 +139,22 @@ class FeasibleSet:
         """The projection $P_S$ onto the set."""
         raise NotImplementedError
 
-    def _axpy(self, xi: torch.Tensor, d: torch.Tensor, eta: torch.Tensor | float) -> torch.Tensor:
-        r"""$\xi + \eta d$ with one $\eta$ per problem."""
+    def _axpy(self, xi: torch.Tensor, d: torch.Tensor, eta: torch.Tensor | float,
+              inplace: bool = False) -> torch.Tensor:
+        r"""$\xi + \eta d$ with one $\eta$ per problem (in `d`'s memory if `inplace`)."""
         if not torch.is_tensor(eta) or _scalar(eta):
+            if inplace:
+                return d.mul_(float(eta)).add_(xi)
             return torch.add(xi, d, alpha=float(eta))
+        if inplace:
+            return d.mul_(eta.unsqueeze(-1)).add_(xi)
         return torch.addcmul(xi, d, eta.unsqueeze(-1))
 
-    def step(self, xi: torch.Tensor, d: torch.Tensor, eta: torch.Tensor | float) -> torch.Tensor:
-        r"""$P_S(\xi + \eta d)$ for a feasible `xi` and a direction `d` of `direction`."""
-        return self.project(self._axpy(xi, d, eta))
+    def step(self, xi: torch.Tensor, d: torch.Tensor, eta: torch.Tensor | float, *,
+             inplace: bool = False) -> torch.Tensor:
+        r"""$P_S(\xi + \eta d)$ for a feasible `xi` and a direction `d` of `direction`
+        (`inplace=True` allows the result to be written into `d`'s memory)."""
+        return self.project(self._axpy(xi, d, eta, inplace))
 
     def sample(self, generator: Generator = None) -> torch.Tensor:
         """A random perturbation of the average case, at radius `rho`."""
@@ -158,10 +177,12 @@ class _HorizontalBall(FeasibleSet):
     def project(self, xi: torch.Tensor) -> torch.Tensor:
         return self._radial(self.space.clip_to_domain(self.proju(xi)))
 
-    def step(self, xi: torch.Tensor, d: torch.Tensor, eta: torch.Tensor | float) -> torch.Tensor:
+    def step(self, xi: torch.Tensor, d: torch.Tensor, eta: torch.Tensor | float, *,
+             inplace: bool = False) -> torch.Tensor:
         r"""$P_S(\xi + \eta d)$ without the horizontal projection: `xi` (feasible) and `d` (a
         `direction`) are horizontal and masked, hence so is $\xi + \eta d$."""
-        return self._radial(self.space.clip_to_domain(self._axpy(xi, d, eta)))
+        y = self.space.clip_to_domain(self._axpy(xi, d, eta, inplace))
+        return self._radial(y, inplace)
 
 
 class MetricBall(_HorizontalBall):
@@ -189,6 +210,13 @@ class MetricBall(_HorizontalBall):
     def rgrad(self, egrad: torch.Tensor) -> torch.Tensor:
         return self._masked(self.space.egrad2rgrad(self._masked(egrad)))
 
+    def direction(self, xi: torch.Tensor, egrad: torch.Tensor, *,
+                  inplace: bool = False) -> torch.Tensor:
+        if not inplace or self.mask is not None:
+            return super().direction(xi, egrad)
+        r, n2 = self.space.egrad2rgrad_and_norm2(egrad)
+        return self._normalise(r, n2.clamp_min(0).sqrt(), inplace=True)
+
     def sample(self, generator: Generator = None) -> torch.Tensor:
         return self._masked(self.space.sample(generator)) * self.rho
 
@@ -215,7 +243,7 @@ class AdaptiveNormBall(_HorizontalBall):
                  mask: torch.Tensor | None = None) -> None:
         super().__init__(space, rho, mask)
         self.w2 = w2
-        self.inv_w2 = 1.0 / w2
+        self.inv_w2 = torch.where(w2 > 0, 1.0 / torch.where(w2 > 0, w2, 1.0), 0.0)
 
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         v = u if v is None else v
@@ -249,12 +277,14 @@ class _Elementwise(FeasibleSet):
                  mask: torch.Tensor | None = None) -> None:
         super().__init__(space, rho, mask)
         self.c = c
+        # entries with c = 0 (zero weights, ε = 0) are frozen: every step is 0 there
+        self.inv_c = torch.where(c > 0, 1.0 / torch.where(c > 0, c, 1.0), 0.0)
 
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         r"""$\sum u v / c$: the inner product in which $c \odot \nabla$ (the reference step) is
         the gradient."""
         v = u if v is None else v
-        return (u * v / self.c).sum(-1)
+        return (u * v * self.inv_c).sum(-1)
 
     def rgrad(self, egrad: torch.Tensor) -> torch.Tensor:
         return self._masked(egrad * self.c)
@@ -280,11 +310,15 @@ class Ellipsoid(_Elementwise):
     max_iter = 200
 
     def norm(self, xi: torch.Tensor) -> torch.Tensor:
-        return torch.linalg.vector_norm(xi / self.c, dim=-1)
+        return torch.linalg.vector_norm(xi * self.inv_c, dim=-1)
 
-    def direction(self, xi: torch.Tensor, egrad: torch.Tensor) -> torch.Tensor:
+    def direction(self, xi: torch.Tensor, egrad: torch.Tensor, *,
+                  inplace: bool = False) -> torch.Tensor:
         g = self._masked(egrad)
-        return self._normalise(g * self.c, torch.linalg.vector_norm(g, dim=-1))
+        n = torch.linalg.vector_norm(g, dim=-1)
+        if inplace and self.mask is None:
+            return self._normalise(g.mul_(self.c), n, inplace=True)
+        return self._normalise(g * self.c, n)
 
     def project(self, xi: torch.Tensor) -> torch.Tensor:
         return self._masked(_ellipsoid_projection(self._masked(xi), self.c, self.rho,
@@ -307,9 +341,12 @@ class Box(_Elementwise):
     def norm(self, xi: torch.Tensor) -> torch.Tensor:
         if xi.shape[-1] == 0:
             return xi.new_zeros(xi.shape[:-1])
-        return (xi / self.c).abs().amax(-1)
+        return (xi * self.inv_c).abs().amax(-1)
 
-    def direction(self, xi: torch.Tensor, egrad: torch.Tensor) -> torch.Tensor:
+    def direction(self, xi: torch.Tensor, egrad: torch.Tensor, *,
+                  inplace: bool = False) -> torch.Tensor:
+        if inplace and self.mask is None:
+            return egrad.sign_().mul_(self.c)
         return self._masked(egrad.sign() * self.c)
 
     def project(self, xi: torch.Tensor) -> torch.Tensor:
@@ -328,15 +365,25 @@ class Box(_Elementwise):
 def _ellipsoid_projection(y: torch.Tensor, c: torch.Tensor, rho: float, tol: float = 1e-5,
                           max_iter: int = 200) -> torch.Tensor:
     r"""Euclidean projection onto $\{\delta : \|\delta \oslash c\|_2 \le \rho\}$ by bisection,
-    per problem (leading dimensions); the reference code's tolerances (see `Ellipsoid`)."""
-    a = y / c
-    b = 2 / (c * c)
+    per problem (leading dimensions); the reference code's tolerances (see `Ellipsoid`).
+
+    $\delta(\lambda) = y / (1 + \lambda b)$ with $b = 2/c^2$; the bisection evaluates
+    $\|a / (1 + \lambda b)\|$, $a = y/c$, in a reused buffer. Entries with $c = 0$ are frozen
+    ($y = 0$ there).
+    """
+    live = c > 0
+    a = torch.where(live, y / torch.where(live, c, 1.0), 0.0)
+    b = torch.where(live, 2 / torch.where(live, c * c, 1.0), 0.0)
     lead = y.shape[:-1]
     dt = torch.float64
+    buf = torch.empty_like(a)  # reused: fresh 10⁷-entry tensors cost page faults on CPU
 
     def wnorm(lam: torch.Tensor) -> torch.Tensor:  # ‖δ(λ) ⊘ c‖ = ‖a / (1 + λb)‖, per problem
-        lam_ = lam.to(y.dtype).unsqueeze(-1)
-        return torch.linalg.vector_norm(a / (1 + lam_ * b), dim=-1).to(dt)
+        if lam.dim() == 0:
+            torch.mul(b, float(lam), out=buf).add_(1.0)
+        else:
+            torch.mul(b, lam.to(y.dtype).unsqueeze(-1), out=buf).add_(1.0)
+        return torch.linalg.vector_norm(torch.div(a, buf, out=buf), dim=-1).to(dt)
 
     zero = torch.zeros(lead, dtype=dt, device=y.device)
     inside = wnorm(zero) <= rho
@@ -361,7 +408,7 @@ def _ellipsoid_projection(y: torch.Tensor, c: torch.Tensor, rho: float, tol: flo
         lam = torch.where(done, lam, 0.5 * (lo + hi))
     lam = torch.where(wnorm(lam) > rho, hi, lam)  # land inside when done from outside
     lam = torch.where(inside, 0.0, lam).to(y.dtype).unsqueeze(-1)
-    return y / (1 + 2 * lam / (c * c))
+    return y / (1 + lam * b)
 
 
 def make_feasible(ball: str, space: ProductTangentSpace, rho: float, *,
