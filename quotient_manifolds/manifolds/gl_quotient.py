@@ -152,6 +152,17 @@ class GLTangentSpace(TangentSpace):
         cG, cH = gl.christoffel(self.G, self.H, uG, uH, vG, vH, self.grams, self.metric)
         return _join(cG, cH, u.dtype)
 
+    def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        r"""As [`TangentSpace.retract`][quotient_manifolds.manifolds.base.TangentSpace.retract];
+        the second order runs as one fused kernel
+        ([`gl.second_order`][quotient_manifolds.geometry.gl.second_order]), equal to
+        $x_0 + u - \tfrac12 \Gamma_{x_0}(u, u)$."""
+        kind = self.manifold.retraction if kind is None else kind
+        if kind != "second_order":
+            return super().retract(u, kind)
+        yG, yH = gl.second_order(self.G, self.H, *self.split(u), self.grams, self.metric)
+        return _join(yG, yH, u.dtype)
+
     def geodesic(self, u: torch.Tensor) -> torch.Tensor:
         """RK4 in the $2h$-dim span of $[F, u_F]$
         ([`gl.geodesic`][quotient_manifolds.geometry.gl.geodesic])."""

@@ -63,6 +63,24 @@ class APGDResult:
     steps: list[torch.Tensor] = field(default_factory=list)
 
 
+class _Pool:
+    """Iterate buffers reused from step to step: a fresh 10⁷-entry tensor costs more in page
+    faults (on CPU) than the arithmetic written into it."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, like: torch.Tensor, busy: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A buffer shaped like `like` that shares no memory with the tensors in `busy`."""
+        ptrs = {t.data_ptr() for t in busy}
+        for b in self.buffers:
+            if b.data_ptr() not in ptrs and b.shape == like.shape and b.dtype == like.dtype:
+                return b
+        b = torch.empty_like(like)
+        self.buffers.append(b)
+        return b
+
+
 def _select(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a` where `cond` (one flag per problem), else `b`; no copy for a single problem."""
     if cond.dim() == 0:
@@ -114,6 +132,7 @@ def apgd(
     if int(n_iter) < 1:
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     W = set(checkpoints(n_iter))
+    pool = _Pool()
     zero = feasible.zeros()
     problems = feasible.problems
     xi = zero if init is None else feasible.project(init.to(zero.dtype))
@@ -138,10 +157,11 @@ def apgd(
         # the gradient is not needed after this: direction and step may reuse its memory
         d = feasible.direction(xi, grad, inplace=True)
         z = feasible.step(xi, d, eta.to(xi.dtype), inplace=True)
-        if k == 0:
-            new = z.clone()  # z may live in the gradient's memory
+        if k == 0:  # z may live in the gradient's memory
+            new = pool.take(z, (xi, res.best_xi)).copy_(z)
         elif momentum_form == "reference":  # ξ + α(z − ξ); z is not needed after this
-            new = torch.add(xi, z.sub_(xi), alpha=momentum)
+            new = torch.add(xi, z.sub_(xi), alpha=momentum,
+                            out=pool.take(z, (xi, res.best_xi)))
         else:
             new = feasible.project(torch.lerp(xi, z, momentum) + (1 - momentum) * (xi - xi_prev))
         xi_prev, xi = xi, new.detach()
