@@ -33,6 +33,7 @@ way, since its perturbation is $\delta \odot |w|$). `n_masked_zeros` counts them
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -48,7 +49,6 @@ from ..errors import (
     RankDeficientError,
     ZeroWeightError,
 )
-from ..geometry import adaptive as am
 from ..manifolds import AdaptiveEuclidean, GLQuotient
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
@@ -110,7 +110,7 @@ def select_parameters(model: nn.Module, params: ParamSelection = None) -> tuple[
                     f"params= entries must be names, parameters or (name, parameter) pairs, got "
                     f"{type(it).__name__}")
             if name not in named:
-                close = [n for n in named if name in n or n in name][:3]
+                close = difflib.get_close_matches(name, list(named), n=3)
                 hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
                 raise ParameterSelectionError(
                     f"params= names {name!r}, which is not in model.named_parameters(){hint}")
@@ -330,7 +330,8 @@ class ModelGeometry:
                 # w² must be positive, not only w: tiny float32 weights (|w| < 1e-22)
                 # square to 0 (seen in all-MiniLM-L6-v2). Such entries stay in the flat
                 # vector, frozen by the adaptive tangent space (c² = 0: they never move).
-                zero = am.scale2(w.to(self.dtype), 0.0) == 0
+                wd = w.to(self.dtype)
+                zero = wd * wd == 0
                 masked += int((zero if free is None else (zero & free)).sum())
             if free is None or bool(free.all()):
                 idx, vals = None, w.reshape(-1)
