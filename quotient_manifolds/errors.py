@@ -86,7 +86,7 @@ class PrecisionError(QuotientManifoldError, TypeError):
 
     The ``h×h`` Gram, projection and Christoffel algebra must not run in
     float16/bfloat16.  Convert the model (``model.float()``) or pass
-    ``allow_half=True``; the block algebra then runs in float32.
+    ``geometry=Geometry(half="float32")``; the block algebra then runs in float32.
     """
 
 

@@ -227,7 +227,7 @@ class ModelGeometry:
             raise PrecisionError(
                 f"the model has {half[0]} parameters; the h×h block algebra must not run in "
                 "half precision. Convert it with model.float() (or .double()), or pass "
-                "geometry=Geometry(half='float32') (allow_half) to keep the model in half "
+                "geometry=Geometry(half='float32') to keep the model in half "
                 "precision and run the block algebra and perturbations in float32."
             )
         self.dtype = torch.float64 if floats and all(d == torch.float64 for d in floats) else (
