@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -92,7 +93,8 @@ def per_iter(tag, model, loss, data, iters, repeats, floor: list
 
     ``T(n)`` is the min over ``repeats`` of a call with ``n_iter = n`` (after a warm-up);
     per iteration ``(T(1 + iters) − T(1)) / iters``, setup ``T(1)`` minus one iteration.
-    The floor is timed after every call and appended to ``floor``.
+    The floor is timed after every call and appended to ``floor`` (so that each
+    configuration is compared with the floor measured in the same minutes).
     """
     call(tag, model, loss, data, 1)  # warm-up
     best: dict[int, tuple[float, float]] = {}
@@ -153,14 +155,21 @@ def run(name, key, model, loss, data, iters, repeats, figures, tags) -> None:
     floor: list[tuple[float, float]] = []
     rows = []
     for tag in tags:
-        rows.append((tag, *per_iter(tag, model, loss, data, iters, repeats, floor)))
+        local: list[tuple[float, float]] = []
+        rows.append((tag, *per_iter(tag, model, loss, data, iters, repeats, local),
+                     min(f[0] for f in local), min(f[1] for f in local)))
+        floor += local
     fw, fc = min(f[0] for f in floor), min(f[1] for f in floor)
     figures[f"{key}_floor_s"], figures[f"{key}_floor_cpu_s"] = fw, fc
-    print(f"  {'floor (forward + backward)':28s} wall {fw:8.3f}  cpu {fc:8.3f}")
+    print(f"  {'floor (forward + backward)':28s} wall {fw:8.3f}  cpu {fc:8.3f}   (the fastest "
+          "of all; each row is divided by the floor timed between its own calls)")
     base_w, base_c = rows[0][1], rows[0][2]
-    for tag, w, c, sw, sc in rows:
-        print(f"  {tag:28s} wall {w:8.3f}  cpu {c:8.3f}   over floor {c / fc:5.2f}   "
-              f"over adaptive {c / base_c:5.2f}   setup cpu {sc:6.2f}", flush=True)
+    for tag, w, c, sw, sc, lfw, lfc in rows:
+        print(f"  {tag:28s} wall {w:8.3f}  cpu {c:8.3f}   over floor {c / lfc:5.2f}   "
+              f"over adaptive {c / base_c:5.2f}   setup cpu {sc:6.2f}   floor cpu {lfc:6.3f}",
+              flush=True)
+        figures[f"{key}_{tag}_floor_cpu_s"] = lfc
+        fw, fc = lfw, lfc
         figures[f"{key}_{tag}_s_per_iter"] = w
         figures[f"{key}_{tag}_cpu_s_per_iter"] = c
         figures[f"{key}_{tag}_setup_s"] = sw
@@ -180,6 +189,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 8, seq 16 for MiniLM")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-vit", action="store_true", help="skip the tiny ViT")
+    ap.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--memory-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     a = ap.parse_args()
@@ -191,7 +201,7 @@ def main() -> None:
     t0 = time.perf_counter()
     figures: dict[str, object] = {"iters": a.iters, "repeats": a.repeats, "rho": RHO,
                                   **environment()}
-    tags = list(CONFIGS)
+    tags = a.configs.split(",") if a.configs else list(CONFIGS)
     if not a.no_vit:
         run("tiny timm ViT (batch 3)", "vit", small_timm_vit().float().eval(), vit_loss,
             [(x.float(), y) for x, y in image_data(n_batches=1)], a.iters, a.repeats, figures,
@@ -200,22 +210,26 @@ def main() -> None:
     run(name, "minilm", model, loss, data, a.iters, a.repeats, figures, tags)
     # headline ratios (MiniLM, CPU time: other processes inflate wall time, not CPU time)
     f = figures
+    def get(name: str) -> float:
+        return float(f.get(f"minilm_{name}", float("nan")))
+
+    def per(tag: str) -> float:
+        return get(f"{tag}_cpu_s_per_iter")
+
     head = {
-        "geodesic_inv_over_floor": f["minilm_geodesic_inv_second_order_cpu_over_floor"],
-        "geodesic_mix_over_floor": f["minilm_geodesic_mix_second_order_cpu_over_floor"],
-        "adaptive_over_floor": f["minilm_adaptive_cpu_over_floor"],
-        "adaptive_metric_over_floor": f["minilm_adaptive_metric_cpu_over_floor"],
-        "geodesic_inv_over_adaptive": f["minilm_geodesic_inv_second_order_cpu_over_adaptive"],
-        "geodesic_mix_over_adaptive": f["minilm_geodesic_mix_second_order_cpu_over_adaptive"],
+        "geodesic_inv_over_floor": get("geodesic_inv_second_order_cpu_over_floor"),
+        "geodesic_mix_over_floor": get("geodesic_mix_second_order_cpu_over_floor"),
+        "adaptive_over_floor": get("adaptive_cpu_over_floor"),
+        "adaptive_metric_over_floor": get("adaptive_metric_cpu_over_floor"),
+        "geodesic_inv_over_adaptive": get("geodesic_inv_second_order_cpu_over_adaptive"),
+        "geodesic_mix_over_adaptive": get("geodesic_mix_second_order_cpu_over_adaptive"),
         "geodesic_inv_over_adaptive_metric":
-            f["minilm_geodesic_inv_second_order_cpu_s_per_iter"]
-            / f["minilm_adaptive_metric_cpu_s_per_iter"],
-        "exact_over_second_order": f["minilm_geodesic_inv_exact_cpu_s_per_iter"]
-            / f["minilm_geodesic_inv_second_order_cpu_s_per_iter"],
-        "exact_mix_over_second_order": f["minilm_geodesic_mix_exact_cpu_s_per_iter"]
-            / f["minilm_geodesic_mix_second_order_cpu_s_per_iter"],
-        "exact_k4_over_second_order": f["minilm_geodesic_inv_exact_k4_cpu_s_per_iter"]
-            / f["minilm_geodesic_inv_second_order_cpu_s_per_iter"],
+            per("geodesic_inv_second_order") / per("adaptive_metric"),
+        "exact_over_second_order": per("geodesic_inv_exact") / per("geodesic_inv_second_order"),
+        "exact_mix_over_second_order":
+            per("geodesic_mix_exact") / per("geodesic_mix_second_order"),
+        "exact_k4_over_second_order":
+            per("geodesic_inv_exact_k4") / per("geodesic_inv_second_order"),
     }
     if not a.no_memory:
         print("\npeak memory of one call (MiniLM, fresh process each), MB above the loaded model")
@@ -227,22 +241,25 @@ def main() -> None:
             f[f"minilm_{tag}_rss_before_mb"] = m["rss_before"] / 2**20
             ratio = "" if tag == "floor" else (
                 f"(over floor {m['peak_increase'] / mem['floor']:5.2f}, over adaptive "
-                f"{m['peak_increase'] / mem['adaptive']:5.2f}; ")
+                f"{m['peak_increase'] / mem.get('adaptive', math.nan):5.2f}; ")
             print(f"  {tag:28s} {m['peak_increase'] / 2**20:8.1f} MB "
                   f"{ratio or '('}RSS before {m['rss_before'] / 2**20:.0f} MB)", flush=True)
         for tag in tags:
             f[f"minilm_{tag}_peak_over_floor"] = mem[tag] / mem["floor"]
-        head["peak_memory_geodesic_inv_over_floor"] = (
-            mem["geodesic_inv_second_order"] / mem["floor"])
-        head["peak_memory_geodesic_mix_over_floor"] = (
-            mem["geodesic_mix_second_order"] / mem["floor"])
-        head["peak_memory_geodesic_inv_over_adaptive"] = (
-            mem["geodesic_inv_second_order"] / mem["adaptive"])
-        head["peak_memory_geodesic_mix_over_adaptive"] = (
-            mem["geodesic_mix_second_order"] / mem["adaptive"])
-        head["peak_memory_exact_over_adaptive"] = mem["geodesic_inv_exact"] / mem["adaptive"]
-        head["peak_memory_exact_k4_over_adaptive"] = (
-            mem["geodesic_inv_exact_k4"] / mem["adaptive"])
+        nan = float("nan")
+
+        def mratio(a_: str, b_: str) -> float:
+            return mem[a_] / mem[b_] if a_ in mem and b_ in mem else nan
+
+        head["peak_memory_geodesic_inv_over_floor"] = mratio("geodesic_inv_second_order", "floor")
+        head["peak_memory_geodesic_mix_over_floor"] = mratio("geodesic_mix_second_order", "floor")
+        head["peak_memory_adaptive_over_floor"] = mratio("adaptive", "floor")
+        head["peak_memory_geodesic_inv_over_adaptive"] = mratio("geodesic_inv_second_order",
+                                                                "adaptive")
+        head["peak_memory_geodesic_mix_over_adaptive"] = mratio("geodesic_mix_second_order",
+                                                                "adaptive")
+        head["peak_memory_exact_over_adaptive"] = mratio("geodesic_inv_exact", "adaptive")
+        head["peak_memory_exact_k4_over_adaptive"] = mratio("geodesic_inv_exact_k4", "adaptive")
     print()
     for k, v in head.items():
         print(f"{k:40s} {v:6.2f}")

@@ -422,43 +422,44 @@ def _quadratic_coefficients(S: torch.Tensor, T: torch.Tensor, gr: Grams, metric:
 class _SecondOrder(torch.autograd.Function):
     """``F + u − ½Γ(u, u)`` for both factors, ``Γ_F = F A_F + u_F B_F`` (span form).
 
-    Forward: ``[S, T] = uᵀ[F, u]`` and ``y = [F, u] [I − ½A; I − ½B]`` (two batched products
-    per factor). Backward: ``[dC₁; dC₂] = [F, u]ᵀ dy`` and
-    ``du = dy C₂ᵀ + F dS + u (dT + dTᵀ)``, with ``(dS, dT)`` from the ``h×h`` coefficient map
-    (differentiated by autograd, it is small). Reverse mode in ``u`` only.
+    Forward: ``S = uᵀF``, ``T = uᵀu`` and ``y = F C₁ + u C₂`` with ``C₁ = I − ½A``,
+    ``C₂ = I − ½B`` (four batched products per factor). Backward: ``dC₁ = Fᵀ dy``,
+    ``dC₂ = uᵀ dy`` and ``du = dy C₂ᵀ + F dSᵀ + u (dT + dTᵀ)``, with ``(dS, dT)`` from the
+    ``h×h`` coefficient map (differentiated by autograd, it is small). Reverse mode in ``u``
+    only.
     """
 
     @staticmethod
     def forward(ctx, uG, uH, G, H, gr, metric):  # type: ignore[override]
-        FU = [torch.cat([G, uG], -1), torch.cat([H, uH], -1)]
-        h = uG.shape[-1]
-        ST = [transpose(u) @ fu for u, fu in zip((uG, uH), FU, strict=True)]
-        S = torch.stack([st[..., :h] for st in ST])  # (2, …, h, h): uᵀF (transposed S)
-        T = torch.stack([st[..., h:] for st in ST])
+        S = torch.stack([transpose(uG) @ G, transpose(uH) @ H])  # (2, …, h, h): uᵀF
+        T = torch.stack([transpose(uG) @ uG, transpose(uH) @ uH])
         A, B = _quadratic_coefficients(S, T, gr, metric)
         eye = eye_like(A)
-        C = torch.cat([eye - 0.5 * A, eye - 0.5 * B], -2)  # (2, …, 2h, h)
-        ctx.save_for_backward(S, T, C, *FU)
-        ctx.gr, ctx.metric, ctx.h = gr, metric, h
-        return FU[0] @ C[0], FU[1] @ C[1]
+        C1, C2 = eye - 0.5 * A, eye - 0.5 * B
+        ctx.save_for_backward(S, T, C2, G, H, uG, uH)
+        ctx.gr, ctx.metric = gr, metric
+        yG = torch.matmul(G, C1[0]).add_(torch.matmul(uG, C2[0]))
+        yH = torch.matmul(H, C1[1]).add_(torch.matmul(uH, C2[1]))
+        return yG, yH
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dyG, dyH):  # type: ignore[override]
-        S, T, C, FUG, FUH = ctx.saved_tensors
-        h = ctx.h
-        out = []
-        dC = torch.stack([transpose(fu) @ dy for fu, dy in ((FUG, dyG), (FUH, dyH))])
+        S, T, C2, G, H, uG, uH = ctx.saved_tensors
+        pairs = ((G, uG, dyG), (H, uH, dyH))
+        dC1 = torch.stack([transpose(F) @ dy for F, _, dy in pairs])
+        dC2 = torch.stack([transpose(u) @ dy for _, u, dy in pairs])
         with torch.enable_grad():
             S_, T_ = S.detach().requires_grad_(), T.detach().requires_grad_()
             A, B = _quadratic_coefficients(S_, T_, ctx.gr, ctx.metric)
-            dS, dT = torch.autograd.grad((A, B), (S_, T_),
-                                         (-0.5 * dC[..., :h, :], -0.5 * dC[..., h:, :]))
-        for i, (fu, dy) in enumerate(((FUG, dyG), (FUH, dyH))):
-            # S_i = uᵀF (transposed), so d/du ⟨dS, uᵀF⟩ = F dSᵀ; d/du ⟨dT, uᵀu⟩ = u(dT + dTᵀ)
-            rhs = torch.cat([transpose(C[i, ..., h:, :]), transpose(dS[i]),
-                             dT[i] + transpose(dT[i])], -2)
-            out.append(torch.cat([dy, fu], -1) @ rhs)
+            dS, dT = torch.autograd.grad((A, B), (S_, T_), (-0.5 * dC1, -0.5 * dC2))
+        out = []
+        for i, (F, u, dy) in enumerate(pairs):
+            # S_i = uᵀF, so d/du ⟨dS, uᵀF⟩ = F dSᵀ; d/du ⟨dT, uᵀu⟩ = u(dT + dTᵀ)
+            du = torch.matmul(dy, transpose(C2[i]))
+            du.add_(torch.matmul(F, transpose(dS[i]))).add_(
+                torch.matmul(u, dT[i] + transpose(dT[i])))
+            out.append(du)
         return out[0], out[1], None, None, None, None
 
 

@@ -185,7 +185,7 @@ class TangentSpace:
 class QuotientManifold(geoopt.manifolds.Manifold):
     r"""Base class: a metric with Christoffel form $\Gamma$ and a choice of retraction.
 
-    Subclasses implement [`at`][quotient_manifolds.manifolds.base.QuotientManifold.at], which
+    Subclasses implement `at`, which
     returns the [`TangentSpace`][quotient_manifolds.manifolds.base.TangentSpace] of a base point;
     this class turns it into geoopt's `inner`, `proju`, `egrad2rgrad`, `retr` (chosen by
     `retraction`), `expmap` (always exact), `transp` (projection onto the horizontal space at

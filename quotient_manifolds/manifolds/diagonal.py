@@ -63,7 +63,7 @@ class DiagonalTangentSpace(TangentSpace):
 
     def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         r"""$\Gamma_x(u, v)$ of
-        [`geometry.diagonal.christoffel`][quotient_manifolds.geometry.diagonal.christoffel]."""
+        `quotient_manifolds.geometry.diagonal.christoffel`."""
         ua, uc = self._split(u)
         va, vc = (ua, uc) if v is None else self._split(v)
         return self._join(*dm.christoffel(self.u, self.v, ua, uc, va, vc, self.metric), u.dtype)

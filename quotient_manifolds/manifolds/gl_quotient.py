@@ -155,7 +155,7 @@ class GLTangentSpace(TangentSpace):
     def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
         r"""As [`TangentSpace.retract`][quotient_manifolds.manifolds.base.TangentSpace.retract];
         the second order runs as one fused kernel
-        ([`gl.second_order`][quotient_manifolds.geometry.gl.second_order]), equal to
+        (`quotient_manifolds.geometry.gl.second_order`), equal to
         $x_0 + u - \tfrac12 \Gamma_{x_0}(u, u)$."""
         kind = self.manifold.retraction if kind is None else kind
         if kind != "second_order":
@@ -165,7 +165,7 @@ class GLTangentSpace(TangentSpace):
 
     def geodesic(self, u: torch.Tensor) -> torch.Tensor:
         """RK4 in the $2h$-dim span of $[F, u_F]$
-        ([`gl.geodesic`][quotient_manifolds.geometry.gl.geodesic])."""
+        (`quotient_manifolds.geometry.gl.geodesic`)."""
         yG, yH = gl.geodesic(self.G, self.H, *self.split(u), self.metric, self.eps,
                              self.manifold.steps)
         return _join(yG, yH, self.x0.dtype)

@@ -9,7 +9,7 @@ parameters once (detached, not copied) and splits the selected ones into
 * one flat vector of every other selected entry, with the tangent space
   `AdaptiveEuclidean(adaptive_eps).at(w0)` (the metric $\xi^2/(w^2 + \varepsilon)$).
 
-Its [`space`][quotient_manifolds.models.model_geometry.ModelGeometry.space] is the
+Its `space` is the
 [`ProductTangentSpace`][quotient_manifolds.manifolds.product.ProductTangentSpace] of these, on
 flat packed tangent vectors of shape `(D,)`; all metric, projection and retraction formulas live
 in the tangent spaces. This class only maps between the model's parameters and the packed

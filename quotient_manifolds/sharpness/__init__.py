@@ -1,6 +1,7 @@
 """Sharpness layer: feasible sets, Auto-PGD and the other solvers, the engine and the measures.
 
-Imports only from :mod:`quotient_manifolds.models`, ``manifolds`` and ``geometry``.
+Imports only from :mod:`quotient_manifolds.models` and ``manifolds``; the geometry is reached
+only through the tangent spaces ``M.at(x0)`` of the manifolds.
 """
 
 from .apgd import APGDResult, apgd, checkpoints

@@ -159,9 +159,8 @@ def apgd(
         z = feasible.step(xi, d, eta.to(xi.dtype), inplace=True)
         if k == 0:  # z may live in the gradient's memory
             new = pool.take(z, (xi, res.best_xi)).copy_(z)
-        elif momentum_form == "reference":  # ξ + α(z − ξ); z is not needed after this
-            new = torch.add(xi, z.sub_(xi), alpha=momentum,
-                            out=pool.take(z, (xi, res.best_xi)))
+        elif momentum_form == "reference":  # ξ + α(z − ξ), into a reused buffer
+            new = torch.lerp(xi, z, momentum, out=pool.take(z, (xi, res.best_xi)))
         else:
             new = feasible.project(torch.lerp(xi, z, momentum) + (1 - momentum) * (xi - xi_prev))
         xi_prev, xi = xi, new.detach()

@@ -414,7 +414,7 @@ def _ellipsoid_projection(y: torch.Tensor, c: torch.Tensor, rho: float, tol: flo
 def make_feasible(ball: str, space: ProductTangentSpace, rho: float, *,
                   w2: torch.Tensor | None = None, mask: torch.Tensor | None = None,
                   horizontal: Sequence[bool] | bool = True) -> FeasibleSet:
-    """The feasible set `ball` (one of [`BALLS`][quotient_manifolds.sharpness.feasible.BALLS]).
+    """The feasible set `ball` (one of `BALLS`).
 
     `w2` ($c^2$ of every entry) is needed by every ball but `"metric"`; `horizontal` says
     whether the space has a vertical part (then `"ellipsoid"` and `"box"`, which have no
