@@ -156,9 +156,12 @@ class GLTangentSpace(TangentSpace):
         r"""As [`TangentSpace.retract`][quotient_manifolds.manifolds.base.TangentSpace.retract];
         the second order runs as one fused kernel
         (`quotient_manifolds.geometry.gl.second_order`), equal to
-        $x_0 + u - \tfrac12 \Gamma_{x_0}(u, u)$."""
+        $x_0 + u - \tfrac12 \Gamma_{x_0}(u, u)$, unless the base point itself requires a
+        gradient."""
         kind = self.manifold.retraction if kind is None else kind
-        if kind != "second_order":
+        if kind != "second_order" or (torch.is_grad_enabled() and self.x0.requires_grad):
+            # the fused kernel differentiates in u only; a base point that needs a gradient
+            # takes the autograd path through x0 + u − ½Γ(u, u)
             return super().retract(u, kind)
         yG, yH = gl.second_order(self.G, self.H, *self.split(u), self.grams, self.metric)
         return _join(yG, yH, u.dtype)
