@@ -218,6 +218,9 @@ class ModelGeometry:
         warn: bool = True,
     ) -> None:
         geometry = Geometry() if geometry is None else geometry
+        if not isinstance(geometry, Geometry):
+            raise TypeError(f"geometry must be a Geometry, got {geometry!r}; e.g. "
+                            f"ModelGeometry(model, Geometry(metric={geometry!r}))")
         self.geometry = g = geometry
         self.selected = select_parameters(model, params)
         raw = {n: p.detach() for n, p in model.named_parameters()}
