@@ -11,7 +11,7 @@ number of ``steps``, on the ``h×h``-sized system of the span of ``[F, u_F]``
   precision a model trains in);
 * ``rk4 full space``: the previous integrator, RK4 on ``(γ, γ̇)`` in the full
   ``(n + m) × h`` space (:func:`quotient_manifolds.geometry.ode.rk4_geodesic` with
-  :meth:`GLQuotient._acceleration`), ``k = 8``, float64 and float32;
+  ``−GLQuotient.christoffel``), ``k = 8``, float64 and float32;
 * ``tdq rk4``: :func:`torchdiffeq.odeint`, fixed grid ``step_size = 1/8``
   (torchdiffeq's RK4 is the 3/8-rule variant);
 * ``tdq dopri5``: :func:`torchdiffeq.odeint`, adaptive, ``rtol = atol ∈ {1e-6, 1e-9}``;
@@ -214,7 +214,7 @@ def full_space(size: Size, metric: str, steps: int) -> Retraction:
     M = qm.GLQuotient(size.n, size.m, metric=metric, validate=False)
 
     def run(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return rk4_geodesic(x, u, M._acceleration, steps)[0]
+        return rk4_geodesic(x, u, lambda p, v: -M.christoffel(p, v), steps)[0]
 
     return run
 

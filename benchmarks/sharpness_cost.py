@@ -1,18 +1,21 @@
-"""Per-iteration time and peak memory of geodesic vs adaptive sharpness, as ratios from one run.
+"""Per-iteration time and peak memory of every sharpness measure against a plain forward +
+backward of the same batch (the floor), as ratios from one run.
 
-Models: the pretrained all-MiniLM-L6-v2 (batch 32, sequence 32, float32) and a tiny timm
-ViT.  After a warm-up, each configuration is called with ``n_iter = 1`` and with
-``n_iter = 1 + iters`` on one batch, ``--repeats`` times each; the marginal cost of an APGD
-iteration, ``(T(1 + iters) − T(1)) / iters`` with ``T`` the minimum over repeats, in wall
-time and in process CPU time, is divided by that of adaptive sharpness (the reference algorithm,
-ℓ2 ball, Euclidean projection by bisection).  ``adaptive metric`` is adaptive sharpness with
-the metric (radial) projection: forward + backward + elementwise work only, the floor any
-sharpness measure pays per iteration.
+Models: the pretrained all-MiniLM-L6-v2 (batch 32, sequence 32, float32) and a tiny timm ViT.
 
-Peak memory (MiniLM only, skipped with ``--no-memory``): every configuration runs in a fresh
-subprocess; after the model and the batch are loaded, the peak-RSS counter of the process is
-reset (``/proc/self/clear_refs``), 2 APGD iterations run, and the increase of the peak RSS
-(``VmHWM``) over the RSS before the call is the call's peak memory.  Linux only.
+**Floor.** One plain forward + backward of the batch: `loss_fn(model, batch)` in eval mode and
+`torch.autograd.grad(loss, parameters)`; the least any ascent iteration can cost.
+
+**Time.** After a warm-up, each configuration is called with `n_iter = 1` and with
+`n_iter = 1 + iters` on one batch, `--repeats` times each, with the floor timed between the
+calls; the marginal cost of an iteration, `(T(1 + iters) − T(1)) / iters` with `T` the
+minimum over repeats, in process CPU time (and wall time), is divided by the floor (the
+minimum of its timings) and by adaptive sharpness (the reference algorithm).
+
+**Peak memory** (MiniLM only, skipped with `--no-memory`): the floor and every configuration
+run in a fresh subprocess; after the model and the batch are loaded, the peak-RSS counter is
+reset (`/proc/self/clear_refs`), the floor or 2 APGD iterations run, and the increase of the
+peak RSS (`VmHWM`) over the RSS before the call is the peak memory. Linux only.
 
     .venv/bin/python benchmarks/sharpness_cost.py [--iters 3] [--repeats 2] [--quick] [--json P]
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -46,40 +50,60 @@ from model_zoo import (  # noqa: E402
 
 import quotient_manifolds as qm  # noqa: E402
 
+M = qm.MEASURES
+#: tag -> geometry (the solver is APGD)
 CONFIGS = {
-    "adaptive": ("adaptive", {}),
-    "adaptive_metric": ("adaptive", dict(projection="metric")),
-    "geodesic_inv_second_order": ("geodesic", dict(metric="inv", retraction="second_order")),
-    "geodesic_mix_second_order": ("geodesic", dict(metric="mix", retraction="second_order")),
-    "geodesic_inv_exact": ("geodesic", dict(metric="inv", retraction="exact")),
-    "geodesic_mix_exact": ("geodesic", dict(metric="mix", retraction="exact")),
-    "geodesic_inv_exact_k4": ("geodesic", dict(metric="inv", retraction="exact",
-                                               exact_steps=4)),
+    "adaptive": M["adaptive"].geometry,
+    "adaptive_metric": M["adaptive-metric"].geometry,
+    "geodesic_inv_second_order": M["geodesic-inv"].geometry,
+    "geodesic_mix_second_order": M["geodesic-mix"].geometry,
+    "geodesic_inv_exact": M["geodesic-inv"].geometry.replace(retraction="exact"),
+    "geodesic_mix_exact": M["geodesic-mix"].geometry.replace(retraction="exact"),
+    "geodesic_inv_exact_k4": M["geodesic-inv"].geometry.replace(retraction="exact",
+                                                                exact_steps=4),
 }
 RHO = 0.05
 
 
 def call(tag: str, model, loss, data, n_iter: int):
-    kind, kw = CONFIGS[tag]
-    fn = qm.adaptive_sharpness if kind == "adaptive" else qm.geodesic_sharpness
-    return fn(model, loss, data, rho=RHO, n_iter=n_iter, progress=False, **kw)
+    return qm.geodesic_sharpness(model, loss, data, rho=RHO, n_iter=n_iter,
+                                 geometry=CONFIGS[tag])
 
 
-def per_iter(tag, model, loss, data, iters, repeats) -> tuple[float, float, float, float]:
+def floor_call(model, loss, data) -> None:
+    """One plain forward + backward of the batch (eval mode), the floor of an iteration."""
+    params = list(model.parameters())
+    was = model.training
+    model.eval()
+    try:
+        torch.autograd.grad(loss(model, data[0]), params, allow_unused=True)
+    finally:
+        model.train(was)
+
+
+def timed(fn) -> tuple[float, float]:
+    c, t = time.process_time(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def per_iter(tag, model, loss, data, iters, repeats, floor: list
+             ) -> tuple[float, float, float, float]:
     """Marginal (wall, CPU) seconds per APGD iteration and (wall, CPU) setup seconds.
 
     ``T(n)`` is the min over ``repeats`` of a call with ``n_iter = n`` (after a warm-up);
     per iteration ``(T(1 + iters) − T(1)) / iters``, setup ``T(1)`` minus one iteration.
+    The floor is timed after every call and appended to ``floor`` (so that each
+    configuration is compared with the floor measured in the same minutes).
     """
     call(tag, model, loss, data, 1)  # warm-up
     best: dict[int, tuple[float, float]] = {}
     for _ in range(repeats):
         for n in (1, 1 + iters):
-            c, t = time.process_time(), time.perf_counter()
-            call(tag, model, loss, data, n)
-            w, cp = time.perf_counter() - t, time.process_time() - c
+            w, cp = timed(lambda n=n: call(tag, model, loss, data, n))
             old = best.get(n, (float("inf"), float("inf")))
             best[n] = (min(old[0], w), min(old[1], cp))
+            floor.append(timed(lambda: floor_call(model, loss, data)))
     w = (best[1 + iters][0] - best[1][0]) / iters
     c = (best[1 + iters][1] - best[1][1]) / iters
     return w, c, best[1][0] - w, best[1][1] - c
@@ -102,14 +126,17 @@ def _status(key: str) -> int:
 
 
 def memory_worker(tag: str, quick: bool) -> None:
-    """Subprocess body: print the peak RSS increase of one sharpness call as JSON."""
+    """Subprocess body: print the peak RSS increase of one call (or of the floor) as JSON."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     model, loss, data, _ = minilm_setup(quick)
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
         f.write("5")
-    call(tag, model, loss, data, 2)
+    if tag == "floor":
+        floor_call(model, loss, data)
+    else:
+        call(tag, model, loss, data, 2)
     print(json.dumps({"peak_increase": _status("VmHWM") - before, "rss_before": before}))
 
 
@@ -122,17 +149,33 @@ def memory(tag: str, quick: bool) -> dict:
 
 
 def run(name, key, model, loss, data, iters, repeats, figures, tags) -> None:
-    print(f"\n{name}: s per APGD iteration (marginal, min of {repeats}), ratio to adaptive")
-    base_w = base_c = None
+    print(f"\n{name}: s per APGD iteration (marginal, min of {repeats}), ratios to the floor "
+          "(one plain forward + backward) and to adaptive, CPU time")
+    floor_call(model, loss, data)  # warm-up
+    floor: list[tuple[float, float]] = []
+    rows = []
     for tag in tags:
-        w, c, sw, sc = per_iter(tag, model, loss, data, iters, repeats)
-        base_w, base_c = base_w or w, base_c or c
-        print(f"  {tag:28s} wall {w:8.3f}  cpu {c:8.3f}   ratio wall {w / base_w:5.2f} "
-              f"cpu {c / base_c:5.2f}   setup cpu {sc:6.2f}", flush=True)
+        local: list[tuple[float, float]] = []
+        rows.append((tag, *per_iter(tag, model, loss, data, iters, repeats, local),
+                     min(f[0] for f in local), min(f[1] for f in local)))
+        floor += local
+    fw, fc = min(f[0] for f in floor), min(f[1] for f in floor)
+    figures[f"{key}_floor_s"], figures[f"{key}_floor_cpu_s"] = fw, fc
+    print(f"  {'floor (forward + backward)':28s} wall {fw:8.3f}  cpu {fc:8.3f}   (the fastest "
+          "of all; each row is divided by the floor timed between its own calls)")
+    base_w, base_c = rows[0][1], rows[0][2]
+    for tag, w, c, sw, sc, lfw, lfc in rows:
+        print(f"  {tag:28s} wall {w:8.3f}  cpu {c:8.3f}   over floor {c / lfc:5.2f}   "
+              f"over adaptive {c / base_c:5.2f}   setup cpu {sc:6.2f}   floor cpu {lfc:6.3f}",
+              flush=True)
+        figures[f"{key}_{tag}_floor_cpu_s"] = lfc
+        fw, fc = lfw, lfc
         figures[f"{key}_{tag}_s_per_iter"] = w
         figures[f"{key}_{tag}_cpu_s_per_iter"] = c
         figures[f"{key}_{tag}_setup_s"] = sw
         figures[f"{key}_{tag}_setup_cpu_s"] = sc
+        figures[f"{key}_{tag}_cpu_over_floor"] = c / fc
+        figures[f"{key}_{tag}_over_floor"] = w / fw
         if tag != "adaptive":
             figures[f"{key}_{tag}_over_adaptive"] = w / base_w
             figures[f"{key}_{tag}_cpu_over_adaptive"] = c / base_c
@@ -146,6 +189,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 8, seq 16 for MiniLM")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-vit", action="store_true", help="skip the tiny ViT")
+    ap.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--memory-worker", metavar="CONFIG", help=argparse.SUPPRESS)
     ap.add_argument("--json", metavar="PATH", help="write the figures as a flat JSON object")
     a = ap.parse_args()
@@ -157,7 +201,7 @@ def main() -> None:
     t0 = time.perf_counter()
     figures: dict[str, object] = {"iters": a.iters, "repeats": a.repeats, "rho": RHO,
                                   **environment()}
-    tags = list(CONFIGS)
+    tags = a.configs.split(",") if a.configs else list(CONFIGS)
     if not a.no_vit:
         run("tiny timm ViT (batch 3)", "vit", small_timm_vit().float().eval(), vit_loss,
             [(x.float(), y) for x, y in image_data(n_batches=1)], a.iters, a.repeats, figures,
@@ -166,37 +210,56 @@ def main() -> None:
     run(name, "minilm", model, loss, data, a.iters, a.repeats, figures, tags)
     # headline ratios (MiniLM, CPU time: other processes inflate wall time, not CPU time)
     f = figures
+    def get(name: str) -> float:
+        return float(f.get(f"minilm_{name}", float("nan")))
+
+    def per(tag: str) -> float:
+        return get(f"{tag}_cpu_s_per_iter")
+
     head = {
-        "geodesic_inv_over_adaptive": f["minilm_geodesic_inv_second_order_cpu_over_adaptive"],
-        "geodesic_mix_over_adaptive": f["minilm_geodesic_mix_second_order_cpu_over_adaptive"],
+        "geodesic_inv_over_floor": get("geodesic_inv_second_order_cpu_over_floor"),
+        "geodesic_mix_over_floor": get("geodesic_mix_second_order_cpu_over_floor"),
+        "adaptive_over_floor": get("adaptive_cpu_over_floor"),
+        "adaptive_metric_over_floor": get("adaptive_metric_cpu_over_floor"),
+        "geodesic_inv_over_adaptive": get("geodesic_inv_second_order_cpu_over_adaptive"),
+        "geodesic_mix_over_adaptive": get("geodesic_mix_second_order_cpu_over_adaptive"),
         "geodesic_inv_over_adaptive_metric":
-            f["minilm_geodesic_inv_second_order_cpu_s_per_iter"]
-            / f["minilm_adaptive_metric_cpu_s_per_iter"],
-        "exact_over_second_order": f["minilm_geodesic_inv_exact_cpu_s_per_iter"]
-            / f["minilm_geodesic_inv_second_order_cpu_s_per_iter"],
-        "exact_mix_over_second_order": f["minilm_geodesic_mix_exact_cpu_s_per_iter"]
-            / f["minilm_geodesic_mix_second_order_cpu_s_per_iter"],
-        "exact_k4_over_second_order": f["minilm_geodesic_inv_exact_k4_cpu_s_per_iter"]
-            / f["minilm_geodesic_inv_second_order_cpu_s_per_iter"],
+            per("geodesic_inv_second_order") / per("adaptive_metric"),
+        "exact_over_second_order": per("geodesic_inv_exact") / per("geodesic_inv_second_order"),
+        "exact_mix_over_second_order":
+            per("geodesic_mix_exact") / per("geodesic_mix_second_order"),
+        "exact_k4_over_second_order":
+            per("geodesic_inv_exact_k4") / per("geodesic_inv_second_order"),
     }
     if not a.no_memory:
         print("\npeak memory of one call (MiniLM, fresh process each), MB above the loaded model")
         mem = {}
-        for tag in tags:
+        for tag in ["floor", *tags]:
             m = memory(tag, a.quick)
             mem[tag] = m["peak_increase"]
             f[f"minilm_{tag}_peak_mb"] = m["peak_increase"] / 2**20
             f[f"minilm_{tag}_rss_before_mb"] = m["rss_before"] / 2**20
+            ratio = "" if tag == "floor" else (
+                f"(over floor {m['peak_increase'] / mem['floor']:5.2f}, over adaptive "
+                f"{m['peak_increase'] / mem.get('adaptive', math.nan):5.2f}; ")
             print(f"  {tag:28s} {m['peak_increase'] / 2**20:8.1f} MB "
-                  f"(ratio {m['peak_increase'] / mem['adaptive']:5.2f}; "
-                  f"RSS before {m['rss_before'] / 2**20:.0f} MB)", flush=True)
-        head["peak_memory_geodesic_over_adaptive"] = (
-            mem["geodesic_inv_second_order"] / mem["adaptive"])
-        head["peak_memory_geodesic_mix_over_adaptive"] = (
-            mem["geodesic_mix_second_order"] / mem["adaptive"])
-        head["peak_memory_exact_over_adaptive"] = mem["geodesic_inv_exact"] / mem["adaptive"]
-        head["peak_memory_exact_k4_over_adaptive"] = (
-            mem["geodesic_inv_exact_k4"] / mem["adaptive"])
+                  f"{ratio or '('}RSS before {m['rss_before'] / 2**20:.0f} MB)", flush=True)
+        for tag in tags:
+            f[f"minilm_{tag}_peak_over_floor"] = mem[tag] / mem["floor"]
+        nan = float("nan")
+
+        def mratio(a_: str, b_: str) -> float:
+            return mem[a_] / mem[b_] if a_ in mem and b_ in mem else nan
+
+        head["peak_memory_geodesic_inv_over_floor"] = mratio("geodesic_inv_second_order", "floor")
+        head["peak_memory_geodesic_mix_over_floor"] = mratio("geodesic_mix_second_order", "floor")
+        head["peak_memory_adaptive_over_floor"] = mratio("adaptive", "floor")
+        head["peak_memory_geodesic_inv_over_adaptive"] = mratio("geodesic_inv_second_order",
+                                                                "adaptive")
+        head["peak_memory_geodesic_mix_over_adaptive"] = mratio("geodesic_mix_second_order",
+                                                                "adaptive")
+        head["peak_memory_exact_over_adaptive"] = mratio("geodesic_inv_exact", "adaptive")
+        head["peak_memory_exact_k4_over_adaptive"] = mratio("geodesic_inv_exact_k4", "adaptive")
     print()
     for k, v in head.items():
         print(f"{k:40s} {v:6.2f}")

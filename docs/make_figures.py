@@ -119,11 +119,10 @@ def gl_figure(path: Path, rho: float = 0.1, n_iter: int = 10) -> dict:
     scales = [0.01, 0.1, 1.0, 10.0, 100.0]
     measures = {
         "geodesic (inv)": lambda m: qm.geodesic_sharpness(m, _ce, data, rho=rho, metric="inv",
-                                                          n_iter=n_iter, progress=False).value,
+                                                          n_iter=n_iter).value,
         "geodesic (mix)": lambda m: qm.geodesic_sharpness(m, _ce, data, rho=rho, metric="mix",
-                                                          n_iter=n_iter, progress=False).value,
-        "adaptive (ℓ2)": lambda m: qm.adaptive_sharpness(m, _ce, data, rho=rho, n_iter=n_iter,
-                                                        progress=False).value,
+                                                          n_iter=n_iter).value,
+        "adaptive (ℓ2)": lambda m: qm.adaptive_sharpness(m, _ce, data, rho=rho, n_iter=n_iter).value,
     }
     ref = {k: f(model) for k, f in measures.items()}
     rows = {k: [f(qm.reparametrize(model, a, seed=0)) / ref[k] for a in scales]

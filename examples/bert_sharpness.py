@@ -35,15 +35,15 @@ def main() -> None:
     blocks = qm.discover_blocks(model)
     print(f"{len(blocks)} block specs covering {sum(b.heads for b in blocks)} GL(32) blocks; "
           f"e.g. {blocks[0].describe()}")
-    geo = qm.geodesic_sharpness(model, loss_fn, data, rho=rho, n_iter=n_iter, progress=False)
-    ad = qm.adaptive_sharpness(model, loss_fn, data, rho=rho, n_iter=n_iter, progress=False)
+    geo = qm.geodesic_sharpness(model, loss_fn, data, rho=rho, n_iter=n_iter)
+    ad = qm.adaptive_sharpness(model, loss_fn, data, rho=rho, n_iter=n_iter)
     print(f"base loss per batch: {[round(v, 5) for v in geo.base_loss]}")
     print(f"geodesic sharpness (inv, second order, rho={rho}): {geo.value:.6g}")
     print(f"adaptive sharpness (l2, rho={rho}):                {ad.value:.6g}")
 
     moved = qm.reparametrize(model, 10.0, seed=0)  # the same function, other weights
-    geo2 = qm.geodesic_sharpness(moved, loss_fn, data, rho=rho, n_iter=n_iter, progress=False)
-    ad2 = qm.adaptive_sharpness(moved, loss_fn, data, rho=rho, n_iter=n_iter, progress=False)
+    geo2 = qm.geodesic_sharpness(moved, loss_fn, data, rho=rho, n_iter=n_iter)
+    ad2 = qm.adaptive_sharpness(moved, loss_fn, data, rho=rho, n_iter=n_iter)
     print(f"after reparametrize(a=10): geodesic ratio {geo2.value / geo.value:.4f}, "
           f"adaptive ratio {ad2.value / ad.value:.4f}")
 

@@ -4,10 +4,11 @@ A small BERT classifier (randomly initialised, built offline from a ``BertConfig
 adapters of rank r on ``query`` and ``value`` (``peft.get_peft_model``), and the adapters are
 trained for a few steps on a synthetic token task (peft initialises ``B = 0``, a rank-deficient
 block; training makes it full rank). Every adapter ``B A`` is a GL(r) block, ``G = B``,
-``H = Aᵀ`` (spec §4.3); the wrapped ``query``/``value`` projections lose their own GL(d_head)
-symmetry and fall back to the adaptive geometry, which the result records. Then every block is
-moved by a random group element (``qm.reparametrize``: the same function) and both measures are
-computed again::
+``H = Aᵀ``; the wrapped ``query``/``value`` projections lose their own GL(d_head) symmetry,
+which the result records as fallbacks. Only the parameters peft leaves trainable
+(``requires_grad=True``: the adapters and the classifier head) are perturbed, the default of
+``params=``. Then every block is moved by a random group element (``qm.reparametrize``: the
+same function) and both measures are computed again::
 
     python examples/lora_sharpness.py [--small]
 """
@@ -79,7 +80,7 @@ def main() -> None:
 
     data = batches(1 if args.small else 2, 16, seed=1)
     rho = 0.05
-    kw = dict(rho=rho, n_iter=n_iter, progress=False)
+    kw = dict(rho=rho, n_iter=n_iter)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", qm.SymmetryFallbackWarning)  # printed above
         geo = qm.geodesic_sharpness(model, loss_fn, data, **kw)

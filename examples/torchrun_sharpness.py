@@ -57,8 +57,7 @@ def sharpness(device: torch.device, n_batches: int, bs: int, n_iter: int) -> dic
     model, data = make(device, n_batches, bs)
     out = {}
     for shard in ("batches", "within_batch"):
-        r = qm.geodesic_sharpness(model, loss_fn, data, rho=0.1, n_iter=n_iter, shard=shard,
-                                  progress=False)
+        r = qm.geodesic_sharpness(model, loss_fn, data, rho=0.1, n_iter=n_iter, shard=shard)
         out[shard] = r
     return out
 
@@ -75,7 +74,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace) -> Non
         if rank == 0:
             model, data = make(torch.device("cpu"), args.batches, args.batch_size)
             single = qm.geodesic_sharpness(model, loss_fn, data, rho=0.1, n_iter=args.iters,
-                                           shard="none", progress=False)
+                                           shard="none")
             print(f"single process     : {single.value:.6f}  per batch {fmt(single)}")
             for shard, r in res.items():
                 print(f"{world} ranks, {shard:12s}: {r.value:.6f}  per batch {fmt(r)}")

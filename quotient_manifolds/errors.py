@@ -22,6 +22,10 @@ __all__ = [
     "DistributedError",
     "PopulationInputError",
     "MissingDependencyError",
+    "NoParametersError",
+    "ParameterSelectionError",
+    "DetachedLossError",
+    "SingleBatchError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
 ]
@@ -84,7 +88,7 @@ class PrecisionError(QuotientManifoldError, TypeError):
 
     The ``h×h`` Gram, projection and Christoffel algebra must not run in
     float16/bfloat16.  Convert the model (``model.float()``) or pass
-    ``allow_half=True``; the block algebra then runs in float32.
+    ``geometry=Geometry(half="float32")``; the block algebra then runs in float32.
     """
 
 
@@ -124,6 +128,39 @@ class MissingDependencyError(QuotientManifoldError, ImportError):
     The message names the feature, the package and the `pip` line that installs it (the
     extras of `pyproject.toml`: `hf`, `vision`, `plots`). The command line prints it as one
     line and exits with status 2.
+    """
+
+
+class NoParametersError(QuotientManifoldError, ValueError):
+    """A sharpness call has no weight to perturb.
+
+    The model has no parameters, or `params=` (or `requires_grad`) selects none of them. Pass
+    `params=` naming the parameters to perturb, or set `requires_grad=True` on them.
+    """
+
+
+class ParameterSelectionError(QuotientManifoldError, ValueError):
+    """`params=` names a parameter the model does not have, or is of an unknown form.
+
+    Pass names from `model.named_parameters()`, a predicate `(name, param) -> bool` or a dict
+    `{name: parameter}`.
+    """
+
+
+class DetachedLossError(QuotientManifoldError, RuntimeError):
+    """`loss_fn` returned a loss that does not depend on the perturbed weights.
+
+    The loss has no `grad_fn`: it was computed under `torch.no_grad()`, detached
+    (`.detach()`, `.item()`, numpy), or from weights other than the model's parameters.
+    Return the loss tensor itself.
+    """
+
+
+class SingleBatchError(QuotientManifoldError, TypeError):
+    """A single batch was passed where an iterable of batches is expected.
+
+    `data` is iterated batch by batch; iterating a tensor, a dict or an `(inputs, targets)`
+    pair yields its rows or keys instead. Wrap one batch in a list: `data=[batch]`.
     """
 
 

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from quotient_manifolds.errors import GeodesicDomainError, InvalidRadiusError
+from quotient_manifolds.manifolds import DiagonalQuotient
+from quotient_manifolds.manifolds.product import ProductTangentSpace
+from quotient_manifolds.sharpness import MetricBall, apgd
 from quotient_manifolds.sharpness.diagonal import (
-    apgd_batched,
-    ball_scale,
     diagonal_loss,
     diagonal_sharpness,
     perturb_horizontal,
@@ -123,27 +124,47 @@ def test_inv_first_order_regime():
     assert errs[1] < 2e-4 and errs[1] < errs[0] / 5  # the relative error is O(ρ)
 
 
-def test_ball_scales():
+def test_ball_norms_match_the_table():
+    """The three balls on horizontal ξ = (bu, bv): ‖A ⊙ b‖ with the module docstring's A."""
     u = torch.tensor([[2.0, -1.0]], dtype=F64)
     v = torch.tensor([[0.5, 3.0]], dtype=F64)
+    b = torch.tensor([[0.3, -0.2]], dtype=F64)
     r2 = math.sqrt(2)
-    torch.testing.assert_close(ball_scale(u, v, "inv", "metric"), torch.full_like(u, r2))
-    torch.testing.assert_close(ball_scale(u, v, "mix", "metric"), r2 * (u * v).abs())
-    torch.testing.assert_close(ball_scale(u, v, "mix", "coefficient"), torch.ones_like(u))
-    torch.testing.assert_close(ball_scale(u, v, "mix", "adaptive"), torch.full_like(u, r2))
-    with pytest.raises(ValueError):
-        ball_scale(u, v, "mix", "euclid")
+    for metric, A in (("inv", torch.full_like(u, r2)), ("mix", r2 * (u * v).abs())):
+        M = DiagonalQuotient(metric)
+        ts = M.at(M.pack_point(u, v))
+        xi = ProductTangentSpace([ts], (1,)).join([M.pack_point(b * u, b * v)])
+        metric_ball = MetricBall(ProductTangentSpace([ts], (1,)), 1.0)
+        torch.testing.assert_close(metric_ball.norm(xi), (A * b).norm(dim=-1))
+        from quotient_manifolds.sharpness import AdaptiveNormBall
+
+        space = ProductTangentSpace([ts], (1,))
+        adaptive = AdaptiveNormBall(space, 1.0, space.join([ts.x0**2]))
+        torch.testing.assert_close(adaptive.norm(xi), r2 * b.norm(dim=-1))
 
 
-def test_apgd_batched_respects_box_and_ball():
-    """max −s₀ on {‖s‖ ≤ 1, s ≥ −0.3}: optimum −0.3 on the box face; rows independent."""
-    lower = torch.tensor([-0.3, -0.3], dtype=F64)
+def test_batched_apgd_respects_domain_and_ball():
+    """Rows of one batched APGD: max −b₀ hits the mix domain b ≥ −½ + δ, max 0.6 b₀ + 0.8 b₁
+    the metric ball 2‖b‖² ≤ 1; each row keeps its own step size and best point."""
+    M = DiagonalQuotient("mix", "exact")
+    one = torch.ones(2, 2, dtype=F64)
+    ts = M.at(M.pack_point(one, one))
+    space = ProductTangentSpace([ts], (2,), kinds=["exact"])
+    ball = MetricBall(space, 1.0)
     w = torch.tensor([[-1.0, 0.0], [0.6, 0.8]], dtype=F64)
-    best, s = apgd_batched(lambda s: (s * w).sum(-1), (2, 2), 1.0, lower=lower, n_iter=50)
-    assert best[0].item() == pytest.approx(0.3, abs=1e-9)
-    assert best[1].item() == pytest.approx(1.0, abs=1e-6)
-    assert bool((s >= lower - 1e-12).all())
-    assert bool((s.norm(dim=-1) <= 1 + 1e-12).all())
+
+    def objective(xi):
+        x = xi.detach().requires_grad_(True)
+        val = (ts.horizontal_coefficient(space.split(x)[0]) * w).sum(-1)
+        (g,) = torch.autograd.grad(val.sum(), x)
+        return val.detach(), g
+
+    res = apgd(objective, ball, torch.zeros(2, dtype=F64), n_iter=50)
+    assert res.best_loss[0].item() == pytest.approx(0.5 - 1e-6, abs=1e-9)
+    assert res.best_loss[1].item() == pytest.approx(1 / math.sqrt(2), abs=1e-6)
+    b = ts.horizontal_coefficient(space.split(res.best_xi)[0])
+    assert bool((b >= -0.5).all())
+    assert bool((ball.norm(res.best_xi) <= 1 + 1e-12).all())
 
 
 def test_mix_respects_domain_and_masks_zeros():

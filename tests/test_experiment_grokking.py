@@ -55,17 +55,17 @@ def test_quick_results_structure(quick):
     on_disk = json.loads((out / "grokking" / "results.json").read_text())
     assert on_disk["n_members"] == res["n_members"] == 3
     assert on_disk["experiment"] == "grokking" and on_disk["gap"] == "test error"
-    assert set(on_disk["measures"]) == set(sharpness_suite.MEASURES)
+    assert set(on_disk["measures"]) == set(sharpness_suite.SUITE)
     for name, d in on_disk["measures"].items():
         assert set(d) >= {"tau", "ci95", "p_value", "rho"}
         assert d["rho"] == sharpness_suite.measure_rho(name, grokking.RHO)
     for m in on_disk["members"]:
         assert 0 <= m["gap"] <= 1 and math.isfinite(m["test_loss"])
-        for name in sharpness_suite.MEASURES:
+        for name in sharpness_suite.SUITE:
             assert all(math.isfinite(v) for v in m["measures"][name].values()), name
     assert set(on_disk["baselines"]) == {"weight_decay", "train_frac", "p", "steps"}
     alt = on_disk["vs_test_loss"]
-    assert set(alt["measures"]) == set(sharpness_suite.MEASURES) and "baselines" in alt
+    assert set(alt["measures"]) == set(sharpness_suite.SUITE) and "baselines" in alt
     for f in on_disk["figures"]:
         assert (out / "grokking" / f).stat().st_size > 0
     assert "curves.png" in on_disk["figures"] and "scatter.png" in on_disk["figures"]
@@ -83,7 +83,7 @@ def test_resume_reuses_members_and_measures(quick, monkeypatch):
     del blob["values"]["geodesic_mix"]
     p.write_text(json.dumps(blob))
     trained, measured = [], []
-    real_train, real_geo = grokking.train_member, qm.sharpness.geodesic_sharpness
+    real_train, real_geo = grokking.train_member, qm.sharpness.engine.geodesic_sharpness
 
     def train(hyper, **kw):
         trained.append(hyper["seed"])
@@ -91,13 +91,14 @@ def test_resume_reuses_members_and_measures(quick, monkeypatch):
 
     @functools.wraps(real_geo)
     def geo(*a, **kw):
-        measured.append(kw.get("metric"))
+        measured.append(kw["geometry"].metric)
         return real_geo(*a, **kw)
 
     monkeypatch.setattr(grokking, "train_member", train)
-    monkeypatch.setattr(qm.sharpness, "geodesic_sharpness", geo)
+    monkeypatch.setattr(qm.sharpness.engine, "geodesic_sharpness", geo)
     res2 = grokking.run(out, quick=True, progress=False)
     assert trained == [1]
-    n_geo = sum(1 for k in sharpness_suite.MEASURES if sharpness_suite.MEASURES[k][0] == "geodesic")
-    assert len(measured) == n_geo + 1  # all of member 1, geodesic_mix of member 2
+    assert len(measured) == len(sharpness_suite.SUITE) + 1  # all of member 1, geodesic_mix of 2
+    assert measured.count("mix") == 1 + sum(m.geometry.metric == "mix"
+                                            for m in sharpness_suite.SUITE.values())
     assert res2["members"][0]["measures"] == res["members"][0]["measures"]

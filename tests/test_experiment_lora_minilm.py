@@ -55,16 +55,19 @@ def test_cached_layer4_inputs_are_exact(minilm, tweets):
     torch.testing.assert_close(x, full, rtol=0, atol=1e-5)
 
 
-def test_only_lora_and_head_are_parameters(minilm):
+def test_only_lora_and_head_are_trainable(minilm):
     bert, _ = minilm
     model = L.build_member(bert, 4, seed=0)
-    names = [n for n, _ in model.named_parameters()]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(names) == 2 * 4 * 2 + 2
     assert all("lora_A" in n or "lora_B" in n or n.startswith("head.") for n in names)
-    assert sum(p.numel() for p in model.parameters()) == 2 * 4 * 2 * 384 * 4 + 384 * 3 + 3
-    bufs = dict(model.named_buffers())
-    assert "layers.0.attention.self.query.base_layer.weight" in bufs
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == 2 * 4 * 2 * 384 * 4 + 384 * 3 + 3
+    frozen = dict(model.named_parameters())["layers.0.attention.self.query.base_layer.weight"]
+    assert not frozen.requires_grad  # a frozen parameter, not a buffer: no workaround needed
     for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         if "lora_B" in n:
             assert torch.count_nonzero(p) == 0
         if "lora_A" in n:  # A ~ N(0, 1/d_in)
@@ -92,7 +95,7 @@ def test_discovered_geometry_lora_and_merged(minilm, tweets):
     mblocks = qm.discover_blocks(merged, warn=False)
     assert sorted((b.kind, b.heads, b.h) for b in mblocks) == (
         [("attention.qk", 12, 32)] * 2 + [("attention.vo", 12, 32)] * 2)
-    names = {n for n, _ in merged.named_parameters()}
+    names = {n for n, p in merged.named_parameters() if p.requires_grad}
     assert "layers.0.attention.self.query.bias" in names
     assert "layers.0.attention.output.dense.bias" not in names
     # the GL(r) blocks are exact symmetries of the LoRA model
@@ -103,19 +106,21 @@ def test_discovered_geometry_lora_and_merged(minilm, tweets):
 
 
 def test_frozen_weights_are_not_perturbed(minilm):
-    """The engine perturbs every nn.Parameter: here exactly the LoRA factors and the head."""
+    """The engine perturbs the parameters with requires_grad: the LoRA factors and the head."""
     bert, _ = minilm
     model = L.build_member(bert, 4, seed=2)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
-    geo = qm.models.ModelGeometry(model, "inv", warn=False)
+    geo = qm.models.ModelGeometry(model, warn=False)
     in_blocks = sum(g.x0.numel() for g in geo.groups)
     assert in_blocks == 8 * (384 + 384) * 4  # G = B (384 × r), H = Aᵀ (384 × r)
     assert geo.w0.numel() == 384 * 3 + 3  # the head, adaptive geometry
-    assert in_blocks + geo.w0.numel() == sum(p.numel() for p in model.parameters())
-    merged = qm.models.ModelGeometry(L.merge_lora(model), "inv", warn=False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert in_blocks + geo.w0.numel() == trainable
+    assert trainable < sum(p.numel() for p in model.parameters())  # frozen: no buffers trick
+    merged = qm.models.ModelGeometry(L.merge_lora(model), warn=False)
     assert sum(g.x0.numel() for g in merged.groups) == 2 * 12 * (385 * 2 + 385 + 384) * 32
     assert merged.w0.numel() == 384 * 3 + 3
 
@@ -135,7 +140,7 @@ def _check_results(res, out):
     d = out / "lora-minilm"
     on_disk = json.loads((d / "results.json").read_text())
     assert on_disk["n_members"] == res["n_members"] == L.QUICK["n_members"]
-    for name in (*sharpness_suite.MEASURES, *(f"{m}_merged" for m in L.MERGED_MEASURES)):
+    for name in (*sharpness_suite.SUITE, *(f"{m}_merged" for m in L.MERGED_MEASURES)):
         m = on_disk["measures"][name]
         assert {"tau", "ci95", "p_value", "rho"} <= set(m)
         assert m["rho"] > 0

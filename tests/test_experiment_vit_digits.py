@@ -65,18 +65,18 @@ def test_quick_results_structure(quick):
     on_disk = json.loads((out / "vit-digits" / "results.json").read_text())
     assert on_disk["n_members"] == res["n_members"] == 3
     assert on_disk["experiment"] == "vit-digits"
-    assert set(on_disk["measures"]) == set(sharpness_suite.MEASURES)
+    assert set(on_disk["measures"]) == set(sharpness_suite.SUITE)
     for name, d in on_disk["measures"].items():
         assert set(d) >= {"tau", "ci95", "p_value", "rho"}
         assert d["rho"] == sharpness_suite.measure_rho(name, vit_digits.RHO)
     for m in on_disk["members"]:
         assert -1 <= m["gap"] <= 1 and math.isfinite(m["loss_gap"])
         assert m["gap"] == pytest.approx((1 - m["test_acc"]) - (1 - m["train_acc"]))
-        for name in sharpness_suite.MEASURES:
+        for name in sharpness_suite.SUITE:
             assert all(math.isfinite(v) for v in m["measures"][name].values()), name
     assert set(on_disk["baselines"]) == {"lr", "weight_decay", "epochs", "label_smoothing",
                                          "augment", "label_noise", "train_size"}
-    assert set(on_disk["vs_loss_gap"]["measures"]) == set(sharpness_suite.MEASURES)
+    assert set(on_disk["vs_loss_gap"]["measures"]) == set(sharpness_suite.SUITE)
     for f in on_disk["figures"]:
         assert (out / "vit-digits" / f).stat().st_size > 0
 
@@ -91,7 +91,7 @@ def test_resume_reuses_members_and_measures(quick, monkeypatch):
     del blob["values"]["adaptive"]
     p.write_text(json.dumps(blob))
     trained, measured = [], []
-    real_train, real_ad = vit_digits.train_member, qm.sharpness.adaptive_sharpness
+    real_train, real_ad = vit_digits.train_member, qm.sharpness.engine.geodesic_sharpness
 
     def train(hyper, **kw):
         trained.append(hyper["seed"])
@@ -99,11 +99,12 @@ def test_resume_reuses_members_and_measures(quick, monkeypatch):
 
     @functools.wraps(real_ad)
     def ad(*a, **kw):
-        measured.append(kw.get("kind"))
+        if kw["geometry"].metric is None:  # the adaptive measures
+            measured.append(kw["solver"].kind)
         return real_ad(*a, **kw)
 
     monkeypatch.setattr(vit_digits, "train_member", train)
-    monkeypatch.setattr(qm.sharpness, "adaptive_sharpness", ad)
+    monkeypatch.setattr(qm.sharpness.engine, "geodesic_sharpness", ad)
     res2 = vit_digits.run(out, quick=True, progress=False)
     assert trained == [0]
     # member 0 was retrained, so all its measures are recomputed; member 2 only lost one

@@ -163,7 +163,7 @@ def test_exact_geodesic_is_equivariant_and_stays_horizontal(metric):
     u = M.proju(x, 0.3 * torch.randn(x.shape, generator=gen))
     A = random_gl_element(3, gen, (2,))
     torch.testing.assert_close(M.act(M.retr(x, u), A), M.retr(M.act(x, A), M.act(u, A)))
-    y, vel = rk4_geodesic(x, u, M._acceleration, steps=256)
+    y, vel = rk4_geodesic(x, u, lambda p, v: -M.christoffel(p, v), steps=256)
     assert M.check_vector_on_tangent(y, vel, atol=1e-8, rtol=1e-8)
     # speed is constant along a geodesic
     torch.testing.assert_close(M.norm(y, vel), M.norm(x, u), rtol=1e-8, atol=0)

@@ -178,7 +178,7 @@ def test_peft_lora_default_init_is_rank_deficient():
     net = get_peft_model(nn.Sequential(nn.Linear(6, 8)), LoraConfig(r=2, target_modules=["0"]))
     with pytest.raises(qm.RankDeficientError, match=r"lora at .*head 0"):
         qm.ModelGeometry(net)
-    qm.ModelGeometry(net, eps=1e-3)  # the relaxation fixes it (spec §4.3)
+    qm.ModelGeometry(net, qm.Geometry(eps=1e-3))  # the relaxation fixes it (spec §4.3)
 
 
 def test_declared_two_layer_block_and_diagonal():
@@ -208,7 +208,7 @@ def test_declared_two_layer_block_and_diagonal():
 
     dnet = Diag()
     dspec = qm.declare_block(G=[("u", "elem")], H=[("v", "elem")], heads=6, kind="diagonal")
-    (db,) = qm.ModelGeometry(dnet, blocks=[dspec]).blocks
+    (db,) = qm.ModelGeometry(dnet, qm.Geometry(blocks=[dspec])).blocks
     assert (db.n, db.m, db.h, db.heads) == (1, 1, 1, 6)
     X = torch.randn(4, 6)
     torch.testing.assert_close(qm.reparametrize(dnet, 2.0, 0, blocks=[dspec])(X), dnet(X))
@@ -217,10 +217,10 @@ def test_declared_two_layer_block_and_diagonal():
 def test_declared_block_errors():
     net = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 4))
     with pytest.raises(qm.BlockSpecError, match="does not have"):
-        qm.ModelGeometry(net, blocks=[qm.declare_block(G="nope.weight", H="0.weight")])
+        qm.ModelGeometry(net, qm.Geometry(blocks=[qm.declare_block(G="nope.weight", H="0.weight")]))
     spec = qm.declare_block(G="1.weight", H=[("0.weight", "rows")])
     with pytest.raises(qm.BlockSpecError, match="same entries"):
-        qm.ModelGeometry(net, blocks=[spec, spec])
+        qm.ModelGeometry(net, qm.Geometry(blocks=[spec, spec]))
 
 
 def _llama(kv_heads):
@@ -263,30 +263,34 @@ def test_model_geometry_gather_scatter_and_grad(factory):
     rebuilt = geo.to_params(geo.gather(geo.base))
     for n, p in model.named_parameters():
         assert torch.equal(rebuilt[n], p), n
-    zero = geo.perturbed_params(geo.zeros())
+    zero = geo.params_at(geo.zeros())
     assert all(torch.equal(zero[n], p) for n, p in model.named_parameters())
-    xi = [torch.randn_like(t).mul_(1e-3).requires_grad_() for t in geo.zeros()]
-    new = geo.perturbed_params(xi)
+    xi = torch.randn(geo.D).mul_(1e-3).requires_grad_()
+    new = geo.params_at(xi)
     s = sum((t.double() ** 2).sum() for t in new.values())
-    grads = torch.autograd.grad(s, xi)
-    assert all(g.abs().sum() > 0 for g in grads)
+    (grad,) = torch.autograd.grad(s, xi)
+    assert all(g.abs().sum() > 0 for g in geo.space.split(grad))
 
 
-def test_model_geometry_matches_manifold_classes():
+def test_model_geometry_is_the_product_of_the_manifolds_tangent_spaces():
     model = small_bert()
-    geo = qm.ModelGeometry(model, "inv")
-    u = geo.proj([torch.randn_like(t) for t in geo.zeros()])
-    total = (u[-1] ** 2 / geo.w0**2).sum()
-    for g, ug in zip(geo.groups, u, strict=False):
+    geo = qm.ModelGeometry(model)
+    u = geo.space.proju(torch.randn(geo.D, dtype=geo.dtype))
+    parts = geo.space.split(u)
+    live = geo.w0 != 0  # zero weights (untrained biases) are frozen: no metric term
+    assert geo.n_masked_zeros == int((~live).sum()) > 0
+    total = (parts[-1] ** 2 / geo.w0**2)[live].sum()
+    for g, ug in zip(geo.groups, parts, strict=False):
         torch.testing.assert_close(g.manifold.proju(g.x0, ug), ug)  # Π is idempotent
         total = total + g.manifold.inner(g.x0, ug).sum()
         res = gl.horizontal_residual(g.G, g.H, ug[:, : g.n], ug[:, g.n :], g.grams, "inv")
         assert res.abs().max() < 1e-9
-    torch.testing.assert_close(geo.norm(u) ** 2, total)
-    egrad = [torch.randn_like(t) for t in geo.zeros()]
-    r = geo.rgrad(egrad)
-    for g, rg, eg in zip(geo.groups, r, egrad, strict=False):
+    torch.testing.assert_close(geo.space.norm(u) ** 2, total)
+    egrad = torch.randn(geo.D, dtype=geo.dtype)
+    r = geo.space.split(geo.space.egrad2rgrad(egrad))
+    for g, rg, eg in zip(geo.groups, r, geo.space.split(egrad), strict=False):
         torch.testing.assert_close(rg, g.manifold.egrad2rgrad(g.x0, eg))
+    torch.testing.assert_close(r[-1], geo.c2 * geo.space.split(egrad)[-1])
 
 
 def test_zero_weights_are_masked_and_half_is_rejected():
@@ -295,10 +299,10 @@ def test_zero_weights_are_masked_and_half_is_rejected():
         net.head.bias.zero_()
     geo = qm.ModelGeometry(net)
     assert geo.n_masked_zeros >= 3
-    assert qm.ModelGeometry(net, adaptive_eps=1e-4).n_masked_zeros == 0
+    assert qm.ModelGeometry(net, qm.Geometry(adaptive_eps=1e-4)).n_masked_zeros == 0
     with pytest.raises(qm.PrecisionError, match=r"model.float\(\)"):
         qm.ModelGeometry(MHANet().half())
-    geo16 = qm.ModelGeometry(MHANet().to(torch.bfloat16), allow_half=True)
+    geo16 = qm.ModelGeometry(MHANet().to(torch.bfloat16), qm.Geometry(half="float32"))
     assert geo16.dtype == torch.float32 and geo16.groups[0].grams.P.dtype == torch.float64
 
 
@@ -323,6 +327,9 @@ def test_tiny_float32_weights_are_masked_like_zeros():
         lin.weight[0, 0] = 1e-30
         lin.weight[1, 1] = 0.0
     with pytest.warns(qm.NoBlocksWarning):
-        geo = qm.ModelGeometry(lin, "inv")
+        geo = qm.ModelGeometry(lin)
     assert geo.n_masked_zeros == 2
-    assert bool((geo.c2 > 0).all())
+    # they stay in the flat vector, frozen: no metric term, zero gradient, never moved
+    assert int((geo.c2 == 0).sum()) == 2 and bool(torch.isfinite(geo.adaptive_space.inv_c2).all())
+    g = torch.ones(geo.D)
+    assert int((geo.space.egrad2rgrad(g) == 0).sum()) == 2

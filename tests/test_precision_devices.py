@@ -41,10 +41,9 @@ def _one_thread():
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_model_needs_allow_half(dtype):
-    with pytest.raises(qm.PrecisionError, match="allow_half=True"):
-        qm.geodesic_sharpness(_model(dtype), ce_loss, _data(dtype), rho=0.1, n_iter=1,
-                              progress=False)
+def test_half_model_needs_the_float32_geometry(dtype):
+    with pytest.raises(qm.PrecisionError, match="half='float32'"):
+        qm.geodesic_sharpness(_model(dtype), ce_loss, _data(dtype), rho=0.1, n_iter=1)
 
 
 @pytest.mark.parametrize("retraction", ["second_order", "exact"])
@@ -54,20 +53,21 @@ def test_half_model_forward_in_its_dtype_geometry_in_float32(dtype, retraction):
     seen: list[torch.dtype] = []
     hook = model.mha.register_forward_pre_hook(
         lambda m, args: seen.append(m.in_proj_weight.dtype))
-    geo = qm.ModelGeometry(model, "inv", retraction=retraction, allow_half=True, warn=False)
+    geometry = qm.Geometry(retraction=retraction, half="float32")
+    geo = qm.ModelGeometry(model, geometry, warn=False)
     assert geo.dtype == torch.float32 and geo.groups
     assert all(t.dtype == torch.float32 for t in geo.base_points)
-    pts = geo.perturbed_points(geo.zeros())
+    pts = geo.retract(geo.zeros())
     assert all(t.dtype == torch.float32 for t in pts)
-    params = geo.perturbed_params(geo.zeros())
+    params = geo.params_at(geo.zeros())
     assert all(params[n].dtype == p.dtype for n, p in model.named_parameters())
     res = qm.geodesic_sharpness(model, ce_loss, _data(dtype), rho=0.1, n_iter=3,
-                                retraction=retraction, allow_half=True, progress=False)
+                                geometry=geometry)
     hook.remove()
     assert seen and set(seen) == {dtype}  # every forward ran in the model's dtype
     assert all(p.dtype == dtype for p in model.parameters())  # the model is untouched
     ref = qm.geodesic_sharpness(_model(torch.float32), ce_loss, _data(torch.float32), rho=0.1,
-                                n_iter=3, retraction=retraction, progress=False)
+                                n_iter=3, geometry=qm.Geometry(retraction=retraction))
     # base losses agree to half-precision rounding of a cross entropy of about 1
     for a, b in zip(res.base_loss, ref.base_loss, strict=True):
         assert abs(a - b) < 2e-2, (a, b)
@@ -77,7 +77,7 @@ def test_half_model_forward_in_its_dtype_geometry_in_float32(dtype, retraction):
 @pytest.mark.parametrize("dtype", HALF)
 def test_half_model_adaptive_sharpness(dtype):
     res = qm.adaptive_sharpness(_model(dtype), ce_loss, _data(dtype), rho=0.1, n_iter=3,
-                                allow_half=True, progress=False)
+                                geometry=qm.Geometry(half="float32"))
     assert res.value >= 0 and len(res.per_batch) == 2
 
 
@@ -125,8 +125,9 @@ def test_no_hard_coded_cpu_device_in_hot_paths():
 
 def test_samples_follow_the_model_device_and_are_reproducible():
     model = _model(torch.float64)
-    geo = qm.ModelGeometry(model, "inv", warn=False)
-    a = geo.sample(0.1, torch.Generator().manual_seed(1))
-    b = geo.sample(0.1, torch.Generator().manual_seed(1))
+    geo = qm.ModelGeometry(model, warn=False)
+    ball = qm.sharpness.MetricBall(geo.space, 0.1)
+    a = geo.space.split(ball.sample(torch.Generator().manual_seed(1)))
+    b = geo.space.split(ball.sample(torch.Generator().manual_seed(1)))
     for s, t, x in zip(a, b, geo.base_points, strict=True):
         assert torch.equal(s, t) and s.device == x.device and s.dtype == x.dtype

@@ -25,7 +25,7 @@ from torch import nn
 
 import quotient_manifolds as qm
 from quotient_manifolds.sharpness import checkpoints
-from quotient_manifolds.sharpness.engine import _ellipsoid_projection
+from quotient_manifolds.sharpness.feasible import _ellipsoid_projection
 
 
 def _snapshot(model):
@@ -59,10 +59,10 @@ def test_nothing_lost_normal_exception_and_interrupt():
     model.head.weight.requires_grad_(False)
     snap = _snapshot(model)
     data = mha_data()
-    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=5, progress=False)
+    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=5)
     assert r.value > 0
     _assert_same(model, snap)
-    qm.adaptive_sharpness(model, ce_loss, data, rho=0.1, n_iter=5, progress=False)
+    qm.adaptive_sharpness(model, ce_loss, data, rho=0.1, n_iter=5)
     _assert_same(model, snap)
     for exc in (RuntimeError, KeyboardInterrupt):
         calls = {"n": 0}
@@ -75,7 +75,7 @@ def test_nothing_lost_normal_exception_and_interrupt():
             return ce_loss(m, b)
 
         with pytest.raises(exc):
-            qm.geodesic_sharpness(model, bad_loss, data, rho=0.1, n_iter=5, progress=False)
+            qm.geodesic_sharpness(model, bad_loss, data, rho=0.1, n_iter=5)
         _assert_same(model, snap)
 
 
@@ -83,18 +83,16 @@ def test_nothing_lost_normal_exception_and_interrupt():
 def test_invariance_mha(metric):
     model = MHANet(d=8, heads=2).eval()
     data = mha_data(n_batches=1)
-    ref = qm.geodesic_sharpness(model, ce_loss, data, rho=0.2, metric=metric, n_iter=8,
-                                progress=False)
-    ad_ref = qm.adaptive_sharpness(model, ce_loss, data, rho=0.2, n_iter=8, progress=False)
+    ref = qm.geodesic_sharpness(model, ce_loss, data, rho=0.2, metric=metric, n_iter=8)
+    ad_ref = qm.adaptive_sharpness(model, ce_loss, data, rho=0.2, n_iter=8)
     assert ref.value > 0
     ad_changes = []
     for a in (1e-2, 1.0, 1e2):
         new = qm.reparametrize(model, a, seed=7)
         torch.testing.assert_close(new(data[0][0]), model(data[0][0]), rtol=1e-8, atol=1e-10)
-        r = qm.geodesic_sharpness(new, ce_loss, data, rho=0.2, metric=metric, n_iter=8,
-                                  progress=False)
+        r = qm.geodesic_sharpness(new, ce_loss, data, rho=0.2, metric=metric, n_iter=8)
         assert abs(r.value / ref.value - 1) < 1e-6, (a, r.value, ref.value)
-        ad = qm.adaptive_sharpness(new, ce_loss, data, rho=0.2, n_iter=8, progress=False)
+        ad = qm.adaptive_sharpness(new, ce_loss, data, rho=0.2, n_iter=8)
         ad_changes.append(abs(ad.value / ad_ref.value - 1))
     assert max(ad_changes) > 1e-3  # adaptive sharpness is not invariant
 
@@ -105,7 +103,7 @@ def test_invariance_transformers(which):
         model, data, lf = small_bert().eval(), bert_data(n_batches=1), hf_loss
     else:
         model, data, lf = small_timm_vit().eval(), image_data(n_batches=1), vit_loss
-    kw = dict(rho=0.1, n_iter=6, progress=False)
+    kw = dict(rho=0.1, n_iter=6)
     ref = qm.geodesic_sharpness(model, lf, data, **kw)
     ad_ref = qm.adaptive_sharpness(model, lf, data, **kw)
     for a in (1e-2, 1e2):
@@ -120,7 +118,7 @@ def test_invariance_transformers(which):
 def test_invariance_minilm_real_weights():
     model = minilm().double().eval()
     data = minilm_data(n_batches=1, bs=2, seq=6)
-    kw = dict(rho=0.05, n_iter=4, progress=False)
+    kw = dict(rho=0.05, n_iter=4)
     ref = qm.geodesic_sharpness(model, minilm_loss, data, **kw)
     assert len(ref.blocks) == 12 and ref.fallbacks == []
     for a in (1e-2, 1.0, 1e2):
@@ -133,11 +131,11 @@ def test_bad_inputs():
     model, data = MHANet(), mha_data(n_batches=1)
     for rho in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(qm.InvalidRadiusError, match="rho"):
-            qm.geodesic_sharpness(model, ce_loss, data, rho=rho, progress=False)
+            qm.geodesic_sharpness(model, ce_loss, data, rho=rho)
     with pytest.raises(qm.EmptyDataError, match="non-empty"):
-        qm.geodesic_sharpness(model, ce_loss, [], rho=0.1, progress=False)
+        qm.geodesic_sharpness(model, ce_loss, [], rho=0.1)
     with pytest.raises(qm.EmptyDataError):
-        qm.adaptive_sharpness(model, ce_loss, iter(()), rho=0.1, progress=False)
+        qm.adaptive_sharpness(model, ce_loss, iter(()), rho=0.1)
 
     def nan_on_second(m, b, calls={"n": 0}):  # noqa: B006
         x, y = b
@@ -145,32 +143,31 @@ def test_bad_inputs():
 
     data2 = mha_data(n_batches=2)
     with pytest.raises(qm.NonFiniteError, match="batch 1"):
-        qm.geodesic_sharpness(model, nan_on_second, data2, rho=0.1, n_iter=2, progress=False)
+        qm.geodesic_sharpness(model, nan_on_second, data2, rho=0.1, n_iter=2)
     deficient = MHANet()
     with torch.no_grad():
         deficient.mha.in_proj_weight[8:10].zero_()  # key rows of head 0
     with pytest.raises(qm.RankDeficientError, match=r"eps > 0.*attention\.qk at 'mha' head 0"):
-        qm.geodesic_sharpness(deficient, ce_loss, data, rho=0.1, progress=False)
-    with pytest.raises(qm.PrecisionError, match="allow_half"):
-        qm.geodesic_sharpness(MHANet().half(), ce_loss, data, rho=0.1, progress=False)
+        qm.geodesic_sharpness(deficient, ce_loss, data, rho=0.1)
+    with pytest.raises(qm.PrecisionError, match="half='float32'"):
+        qm.geodesic_sharpness(MHANet().half(), ce_loss, data, rho=0.1)
     net = nn.Sequential(nn.Flatten(), nn.Linear(20, 3))
     with pytest.warns(qm.NoBlocksWarning):
-        r = qm.geodesic_sharpness(net, ce_loss, data, rho=0.1, n_iter=3, progress=False)
+        r = qm.geodesic_sharpness(net, ce_loss, data, rho=0.1, n_iter=3)
     assert r.fallbacks[-1]["kind"] == "all"
 
 
-def test_half_precision_with_allow_half():
+def test_half_precision_with_float32_geometry():
     model = MHANet().to(torch.bfloat16)
     data = [(x.to(torch.bfloat16), y) for x, y in mha_data(n_batches=1)]
-    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=3, allow_half=True,
-                              progress=False)
+    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=3,
+                              geometry=qm.Geometry(half="float32"))
     assert math.isfinite(r.value)
 
 
 def test_result_settings_and_variants():
     model, data = MHANet(), mha_data(n_batches=2)
-    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=6, metric="mix",
-                              progress=False)
+    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=6, metric="mix")
     d = r.to_dict()
     assert d["settings"]["metric"] == "mix" and d["settings"]["n_iter"] == 6
     assert len(d["per_batch"]) == 2 and d["value"] == pytest.approx(sum(r.per_batch) / 2)
@@ -178,25 +175,28 @@ def test_result_settings_and_variants():
     assert r.perturbation_norm[0] > 0.05  # the maximiser sits near the boundary
     assert [b["kind"] for b in d["blocks"]] == ["attention.qk", "attention.vo"]
     for ret in ("exact", "first_order"):
-        assert qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=3, retraction=ret,
-                                     progress=False).value > 0
-    avg = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=4, kind="average",
-                                seed=0, progress=False)
+        assert qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=3,
+                                     geometry=qm.Geometry(retraction=ret)).value > 0
+    avg = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, n_iter=4,
+                                solver=qm.Average(seed=0))
     assert abs(avg.value) < r.value
-    for kw in (dict(norm="linf"), dict(projection="metric"), dict(adaptive=False),
-               dict(kind="average", seed=1)):
-        out = qm.adaptive_sharpness(model, ce_loss, data, rho=0.05, n_iter=4, progress=False,
-                                    **kw)
+    # settings are recorded only for the solver that ran
+    assert avg.settings["solver"] == "average" and avg.settings["n_samples"] == 4
+    assert "momentum" not in avg.settings and "optimizer" not in avg.settings
+    assert r.settings["solver"] == "apgd" and "n_samples" not in r.settings
+    for fn, kw in ((qm.adaptive_sharpness, dict(norm="linf")),
+                   (qm.geodesic_sharpness, dict(geometry=qm.Geometry(metric=None))),
+                   (qm.adaptive_sharpness, dict(solver=qm.Average(seed=1)))):
+        out = fn(model, ce_loss, data, rho=0.05, n_iter=4, **kw)
         assert math.isfinite(out.value)
 
 
-def test_geoopt_optimizer_and_tangent_ball():
+def test_geoopt_solver_and_tangent_ball():
     model, data = MHANet(), mha_data(n_batches=1)
-    r = qm.geodesic_sharpness(
-        model, ce_loss, data, rho=0.1, n_iter=10, progress=False,
-        optimizer=lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.05),
-    )
+    sgd = qm.GeooptSolver(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.05), n_iter=10)
+    r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.1, solver=sgd)
     assert r.value > 0 and r.perturbation_norm[0] <= 0.1 + 1e-9
+    assert r.settings["solver"] == "geoopt" and "momentum" not in r.settings
     M = qm.GLQuotient(5, 4, "inv")
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(3, 9, 2, generator=gen)
@@ -225,43 +225,38 @@ def test_ellipsoid_projection_is_euclidean_projection():
     assert cos == pytest.approx(1.0, abs=1e-6)
 
 
-def test_ball_norm_adaptive_ablation():
+def test_adaptive_norm_ablation():
     """App. G ablation (a): ball in ‖ξ ⊘ |w|‖ for every entry, ξ still horizontal."""
     model, data = MHANet(), mha_data(n_batches=1)
-    kw = dict(rho=0.05, n_iter=6, progress=False)
+    kw = dict(rho=0.05, n_iter=6)
+    adaptive_ball = qm.Geometry(ball="adaptive")
     with pytest.raises(qm.ZeroWeightError, match="adaptive_eps"):  # untrained zero biases
-        qm.geodesic_sharpness(model, ce_loss, data, ball_norm="adaptive", **kw)
+        qm.geodesic_sharpness(model, ce_loss, data, geometry=adaptive_ball, **kw)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "bias" in name:
                 p.normal_(0, 0.1)
     # Without GL blocks the two norms coincide, so the results must be identical.
-    a = qm.geodesic_sharpness(model, ce_loss, data, blocks=[], **kw)
-    b = qm.geodesic_sharpness(model, ce_loss, data, blocks=[], ball_norm="adaptive", **kw)
-    assert a.per_batch == b.per_batch
-    r = qm.geodesic_sharpness(model, ce_loss, data, ball_norm="adaptive", **kw)
+    a = qm.geodesic_sharpness(model, ce_loss, data, geometry=qm.Geometry(blocks=()), **kw)
+    b = qm.geodesic_sharpness(model, ce_loss, data,
+                              geometry=qm.Geometry(blocks=(), ball="adaptive"), **kw)
+    assert a.per_batch == pytest.approx(b.per_batch, rel=1e-12)
+    r = qm.geodesic_sharpness(model, ce_loss, data, geometry=adaptive_ball, **kw)
     m = qm.geodesic_sharpness(model, ce_loss, data, **kw)
-    assert r.settings["ball_norm"] == "adaptive" and r.value != m.value
+    assert r.settings["ball"] == "adaptive" and r.value != m.value
     assert r.norms[0]["total"] <= 0.05 * (1 + 1e-9) and r.norms[0]["blocks"] > 0
     # the ball norm really is the elementwise one: check it on a random horizontal vector
-    geo = qm.ModelGeometry(model, "inv", ball_norm="adaptive")
-    xi = geo.proj([torch.randn_like(x) for x in geo.base_points])
-    expected = sum(((t / x0) ** 2).sum() for t, x0 in zip(xi[:-1], geo.base_points[:-1]))
-    expected = expected + (xi[-1] ** 2 / geo.c2).sum()
-    assert float(geo.ball_norm_of(xi)) == pytest.approx(float(expected.sqrt()), rel=1e-12)
-    # the ascent direction is the gradient of the ball norm, (w² + ε) ⊙ ∇, made horizontal
-    e = [torch.randn_like(x) for x in geo.base_points]
-    want = geo.proj([x0**2 * t for t, x0 in zip(e[:-1], geo.base_points[:-1])] + [e[-1]])
-    got = geo.rgrad(e)
-    for a, b in zip(got[:-1], want[:-1]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(got[-1], geo.c2 * e[-1])
-    scaled = geo.scale_to_ball(xi, 0.01)
-    assert float(geo.ball_norm_of(scaled)) == pytest.approx(0.01, rel=1e-12)
-    with pytest.raises(ValueError, match="worst"):
-        qm.geodesic_sharpness(model, ce_loss, data, ball_norm="adaptive", kind="average", **kw)
-    with pytest.raises(ValueError, match="ball_norm"):
-        qm.ModelGeometry(model, "inv", ball_norm="l2")
+    geo = qm.ModelGeometry(model, adaptive_ball)
+    ball = qm.sharpness.make_feasible("adaptive", geo.space, 0.05, w2=geo.w2())
+    xi = ball.proju(torch.randn(geo.D, generator=torch.Generator().manual_seed(0)))
+    parts = geo.space.split(xi)
+    expected = sum(((t / x0) ** 2).sum() for t, x0 in zip(parts[:-1], geo.base_points[:-1]))
+    expected = expected + (parts[-1] ** 2 / geo.c2).sum()
+    assert float(ball.norm(xi)) == pytest.approx(float(expected.sqrt()), rel=1e-12)
+    scaled = ball.project(xi * (1.0 / float(ball.norm(xi))))
+    assert float(ball.norm(scaled)) == pytest.approx(0.05, rel=1e-12)
+    with pytest.raises(ValueError, match="no horizontal constraint"):
+        qm.Geometry(ball="ellipsoid")
 
 
 def test_average_case_on_float32_model():
@@ -269,6 +264,6 @@ def test_average_case_on_float32_model():
     model = MHANet().float()
     data = [(x.float(), y) for x, y in mha_data(n_batches=1)]
     for metric in ("inv", "mix"):
-        r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.05, n_iter=3, kind="average",
-                                  metric=metric, seed=0, progress=False)
+        r = qm.geodesic_sharpness(model, ce_loss, data, rho=0.05, n_iter=3, metric=metric,
+                                  solver=qm.Average(seed=0))
         assert math.isfinite(r.value)

@@ -20,7 +20,7 @@ from quotient_manifolds.geometry import gl
 from quotient_manifolds.symbolic import cli
 from quotient_manifolds.symbolic import main as symbolic_main
 from quotient_manifolds.symbolic.algebra import PROVEN, REFUTED, prove_equal, prove_zero
-from quotient_manifolds.symbolic.bridge import NumericMetric, christoffel_bridge
+from quotient_manifolds.symbolic.bridge import NumericMetric, christoffel_bridge, retraction_bridge
 from quotient_manifolds.symbolic.candidates import (
     christoffel_mix_without_h_part,
     paper_inv_horizontal_residual,
@@ -32,6 +32,7 @@ from quotient_manifolds.symbolic.checks import (
     check_christoffel_adaptive,
     check_christoffel_diagonal,
     check_christoffel_gl,
+    check_christoffel_gl_quadratic,
     check_christoffel_scalar_toy,
     check_geodesic_adaptive,
     check_geodesic_diagonal,
@@ -315,6 +316,33 @@ def test_numeric_bridge_rejects_wrong_torch_christoffel():
         return out
 
     _assert_fail(christoffel_bridge(2, 2, 1, "mix", candidate=no_h), reason="max rel err")
+
+
+def test_wrong_transpose_in_the_quadratic_christoffel_fails(monkeypatch):
+    """The quadratic fast path Γ(ξ, ξ) (what the retractions run) is proven on its own."""
+    from quotient_manifolds.geometry.linalg import transpose
+
+    orig = gl._christoffel_inv_factor
+
+    def wrong(F, M_inv, u, v):
+        if v is None:  # S + S instead of S + Sᵀ
+            S = transpose(u) @ F
+            return F @ (M_inv @ (transpose(u) @ u)) - u @ (M_inv @ (S + S))
+        return orig(F, M_inv, u, v)
+
+    monkeypatch.setattr(gl, "_christoffel_inv_factor", wrong)
+    _assert_fail(check_christoffel_gl_quadratic(2, 2, 2, "inv"))
+    _assert_pass(check_christoffel_gl(2, 2, 1, "inv"))  # the polarised path is untouched
+
+
+def test_retraction_bridge_rejects_wrong_second_order():
+    from quotient_manifolds import GLQuotient
+
+    def plus_half(x, u):  # x + u + ½Γ: the wrong sign
+        man = GLQuotient(6, 5, "mix")
+        return x + u + 0.5 * man.christoffel(x, u)
+
+    _assert_fail(retraction_bridge(6, 5, 3, "mix", candidate=plus_half), reason="max rel err")
 
 
 def test_crashing_candidate_is_a_failure():

@@ -42,11 +42,12 @@ from torch import nn
 
 from .._deps import pyplot
 from .sharpness_suite import (
-    MEASURES,
+    SUITE,
     finish_population,
     float32_default,
     measure_member,
     measure_tasks,
+    seeded,
 )
 from .store import PopulationStore, protocol_hash
 
@@ -154,9 +155,9 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
     return float(F.cross_entropy(logits, y)), float((logits.argmax(-1) == y).float().mean())
 
 
+@seeded
 def train_member(hyper: dict, *, steps: int | None = None) -> tuple[GrokTransformer, dict]:
     """Train one member with full-batch AdamW; returns the model and its metrics."""
-    torch.manual_seed(hyper["seed"])
     x, y, xt, yt = modular_data(hyper["p"], hyper["train_frac"], hyper["seed"])
     with float32_default():
         model = GrokTransformer(hyper["p"])
@@ -226,7 +227,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     """
     from tqdm.auto import tqdm
 
-    torch.set_num_threads(1)
     store = PopulationStore(out, NAME)
     hypers = sample_population(3 if quick else N_MEMBERS)
     n_iter = 3 if quick else N_ITER
@@ -239,8 +239,8 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
                         "n_iter": n_iter,
                         "batches": f"first {QUICK_BATCH} training pairs" if quick
                         else "full training set, 1 batch",
-                        "dtype": "float64", "measures": {k: [m, kw] for k, (m, kw)
-                                                         in MEASURES.items()}, "seed": 0}
+                        "dtype": "float64", "seed": 0,
+                        "measures": {k: m.spec() for k, m in SUITE.items()}}
     mhash = protocol_hash(measure_protocol)
     ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
 

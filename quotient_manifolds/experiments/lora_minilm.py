@@ -15,16 +15,16 @@ cache equals the full model's forward, see the tests). A member is
 :class:`LoraClassifier`: copies of layers 4–5 with peft LoRA of rank ``r`` (``α = r``, so the
 scaling is 1; ``A ~ N(0, 1/d_in)``, ``B = 0``) on ``query``, ``key``, ``value`` and
 ``attention.output.dense``, then mean pooling over the non-padding tokens and a linear
-3-class head. Every frozen tensor is a *buffer*, not a parameter: the sharpness engine
-perturbs every ``nn.Parameter`` of the model it is given (``requires_grad`` is ignored), so
-this is how only the trainable LoRA factors and the head are perturbed.
+3-class head. The pretrained weights are frozen (``requires_grad=False``); the sharpness
+engine perturbs the parameters with ``requires_grad=True`` by default, so only the trainable
+LoRA factors and the head are perturbed.
 
 **Geometry.** :func:`~quotient_manifolds.discover_blocks` finds one GL(r) block per LoRA
 adapter (``G = B``, ``H = Aᵀ``, paper Example A.3): 8 blocks. The per-head Q/K and V/O
 GL(32) symmetries act on the *effective* weights ``W + BA`` jointly, which discovery cannot
 split into trainable factors (it records the four attention modules as fallbacks; their
-base weights are buffers here, so nothing falls back to the adaptive geometry, only the
-head is adaptive). For the per-head quotients, every member is also measured in a second
+base weights are frozen, so nothing falls back to the adaptive geometry, only the head is
+adaptive). For the per-head quotients, every member is also measured in a second
 variant, :func:`merge_lora`: the LoRA update merged into plain ``nn.Linear`` projections,
 whose weights (and the q/k/v biases, which belong to the GL blocks as appended rows) are the
 perturbed parameters, with 2 × 12 Q/K and 2 × 12 V/O GL(32) blocks. Those measures carry
@@ -47,8 +47,8 @@ the cross-entropy gap (test − train) is reported under ``results["vs_loss_gap"
 :data:`N_ITER` APGD iterations (or Gaussian samples), in :data:`PASSES` (``results.json`` is
 rewritten after each). Worst-case measures run in float32: the loss increases at these radii
 are ≥ 10⁻³, far above the float32 rounding of the loss, and float64 doubles the cost. The
-average-case measures run in float64 (``kind="average"`` fails on float32 models in the
-current engine). The radii were fixed on a pilot member before any τ was computed: at
+average-case measures run in float64 (as they did when the population was first measured).
+The radii were fixed on a pilot member before any τ was computed: at
 ρ = 0.1 its worst-case loss increase was +2 % of the base loss (adaptive), +106 % (inv) and
 +71 % (mix), so ρ = 0.5 (adaptive norm) and 0.05 (both metrics) put every measure in the
 regime of increases of a few to a few tens of percent. Only 5 iterations: 13 measures ×
@@ -76,7 +76,7 @@ from torch import nn
 
 from .._deps import require
 from ..errors import SymmetryFallbackWarning
-from .sharpness_suite import MEASURES, finish_population, measure_member
+from .sharpness_suite import SUITE, finish_population, measure_member
 from .store import PopulationStore, protocol_hash
 
 __all__ = [
@@ -124,8 +124,7 @@ PASSES = (
     ("lora", ("adaptive", "geodesic_inv", "geodesic_mix"), False),
     ("lora", ("geodesic_inv_first_order", "geodesic_mix_first_order",
               "geodesic_inv_adaptive_norm", "geodesic_mix_adaptive_norm"), False),
-    # float64: geodesic_sharpness(kind="average") fails on float32 models (Gaussian samples
-    # in float32 against float64 Cholesky factors of the Gram matrices).
+    # float64 for the average case (the protocol of the first run)
     ("lora", ("geodesic_inv_average", "geodesic_mix_average", "adaptive_average"), True),
     ("merged", ("geodesic_inv", "geodesic_mix"), False),
     ("merged", ("adaptive",), False),
@@ -224,15 +223,6 @@ def encode_layer4_inputs(
 
 
 # -- model -------------------------------------------------------------------------------
-def _freeze_to_buffers(module: nn.Module) -> None:
-    """Turn every parameter with ``requires_grad=False`` into a buffer of the same name."""
-    for mod in module.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and not p.requires_grad:
-                del mod._parameters[name]
-                mod.register_buffer(name, p.detach())
-
-
 class LoraClassifier(nn.Module):
     r"""Layers 4–5 of MiniLM (frozen, with LoRA) + mean pooling + a linear head.
 
@@ -261,7 +251,7 @@ def build_member(bert: Any, rank: int, seed: int) -> LoraClassifier:
     """A fresh member: LoRA rank ``rank`` on copies of layers 4–5, head, seeded init.
 
     ``A ~ N(0, 1/d_in)``, ``B = 0``; the head has PyTorch's default ``nn.Linear`` init.
-    Only the LoRA factors and the head are ``nn.Parameter`` s; the rest are buffers.
+    Only the LoRA factors and the head have ``requires_grad=True``; the rest is frozen.
     """
     peft = require("peft", "the LoRA adapters of the lora-minilm experiment")
 
@@ -281,7 +271,6 @@ def build_member(bert: Any, rank: int, seed: int) -> LoraClassifier:
                 p.zero_()
     for n, p in layers.named_parameters():
         p.requires_grad_("lora_" in n)
-    _freeze_to_buffers(layers)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(seed))
         model = LoraClassifier(layers)
@@ -291,10 +280,11 @@ def build_member(bert: Any, rank: int, seed: int) -> LoraClassifier:
 def merge_lora(model: LoraClassifier) -> LoraClassifier:
     r"""The same function with ``W ← W + s·BA`` merged into plain ``nn.Linear`` projections.
 
-    Parameters of the result: the merged ``query``/``key``/``value`` weights and biases and
-    the ``attention.output.dense`` weight of both layers (the per-head Q/K and V/O GL(32)
-    blocks, biases as appended rows), and the head. Everything else (including the output
-    dense bias, which no block contains and LoRA does not train) stays a buffer.
+    Trainable (``requires_grad=True``, hence perturbed) parameters of the result: the merged
+    ``query``/``key``/``value`` weights and biases and the ``attention.output.dense`` weight
+    of both layers (the per-head Q/K and V/O GL(32) blocks, biases as appended rows), and
+    the head. Everything else (including the output dense bias, which no block contains and
+    LoRA does not train) stays frozen.
     """
     m = copy.deepcopy(model)
     for layer in m.layers:
@@ -315,9 +305,7 @@ def merge_lora(model: LoraClassifier) -> LoraClassifier:
                 if base.bias is not None:
                     lin.bias.copy_(base.bias)
             if attr == "dense" and lin.bias is not None:
-                b = lin.bias.detach().clone()
-                del lin._parameters["bias"]
-                lin.register_buffer("bias", b)
+                lin.bias.requires_grad_(False)
             setattr(parent, attr, lin)
     return m.eval()
 
@@ -371,7 +359,7 @@ def train_member(bert: Any, hyper: dict, data: dict, *, steps: int = STEPS,
     x, mask = data["hidden"][:n], data["mask"][:n]
     y = _noisy_labels(data["labels"][:n], float(hyper["label_noise"]), int(hyper["seed"]))
     model = build_member(bert, int(hyper["rank"]), int(hyper["seed"]))
-    params = [p for p in model.parameters()]
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=float(hyper["lr"]), weight_decay=0.0)
     gen = torch.Generator().manual_seed(20_000 + int(hyper["seed"]))
     order, pos, t0 = torch.randperm(n, generator=gen), 0, time.perf_counter()
@@ -425,8 +413,9 @@ def _describe_geometry(model: nn.Module) -> dict:
     blocks, fallbacks = discover(model, warn=False)
     return {"blocks": [b.describe() for b in blocks],
             "fallbacks": [f.to_dict() for f in fallbacks],
-            "parameters": {n: list(p.shape) for n, p in model.named_parameters()},
-            "n_parameters": sum(p.numel() for p in model.parameters())}
+            "parameters": {n: list(p.shape) for n, p in model.named_parameters()
+                           if p.requires_grad},
+            "n_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
 def _member_batches(data: dict, meta: dict, n_sharp: int, sharp_batch: int) -> list:
@@ -439,7 +428,8 @@ def _load_model(bert, hyper: dict, state: dict) -> LoraClassifier:
     model = build_member(bert, int(hyper["rank"]), int(hyper["seed"]))
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(state[n])
+            if p.requires_grad:
+                p.copy_(state[n])
     return model
 
 
@@ -474,7 +464,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     """
     from tqdm.auto import tqdm
 
-    torch.set_num_threads(1)
     t_start = time.perf_counter()
     store = PopulationStore(out, NAME)
     q = QUICK if quick else None
@@ -494,13 +483,13 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     measure_protocol = {"rho": RHO, "n_iter": n_iter, "seed": 0,
                         "batches": f"first {n_sharp} training tweets, batches of {sharp_batch}",
                         "passes": [[v, list(names), f64] for v, names, f64 in PASSES],
-                        "measures": {k: [m, kw] for k, (m, kw) in MEASURES.items()}}
+                        "measures": {k: m.spec() for k, m in SUITE.items()}}
     mhash = protocol_hash(measure_protocol)
     ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
 
     def train_one(hyper):
         model, meta = train_member(bert, hyper, data, steps=steps, batch=batch)
-        return dict(model.named_parameters()), meta
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}, meta
 
     store.train_missing(ids, hypers, train_one, desc=f"{NAME}: train", progress=progress)
     metas = [store.load_meta(mid) for mid in ids]
@@ -510,8 +499,9 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
                                **(q["grid"] if q else GRID)},
                 "training": train, "measure_protocol": measure_protocol,
                 "measure_protocol_hash": mhash,
-                "perturbed": "only nn.Parameters: LoRA factors + head (LoRA variant); merged "
-                             "q/k/v weights+biases, output dense weight + head (_merged)",
+                "perturbed": "parameters with requires_grad: LoRA factors + head (LoRA "
+                             "variant); merged q/k/v weights+biases, output dense weight + "
+                             "head (_merged)",
                 "quick": quick}
     caches = {mid: store.load_measures(mid, mhash) for mid in ids}
     res: dict = {}
@@ -544,7 +534,7 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
 
             with warnings.catch_warnings():
                 # LoRA-wrapped attention: discovery records the four attention modules as
-                # fallbacks (their base weights are buffers, so nothing is perturbed there).
+                # fallbacks (their base weights are frozen, so nothing is perturbed there).
                 warnings.simplefilter("ignore", SymmetryFallbackWarning)
                 measure_member(model, _loss, _member_batches(data, meta, n_sharp, sharp_batch),
                                rho=RHO, n_iter=n_iter, seed=0, cached=mine, save=save,

@@ -3,17 +3,19 @@ r"""The sharpness measures shared by the trained transformer populations (issue 
 Every population member is measured with the same suite (paper §6 and App. G):
 
 ==============================  =========================================================
-name                            call
+key (measure)                   definition (:data:`~quotient_manifolds.sharpness.measures.MEASURES`)
 ==============================  =========================================================
-``adaptive``                    :func:`~quotient_manifolds.adaptive_sharpness`, ℓ2, worst
-``geodesic_inv`` / ``_mix``     :func:`~quotient_manifolds.geodesic_sharpness`, Eq. 5
-                                (second-order) retraction, worst case (paper Eq. 4)
-``geodesic_*_first_order``      ablation (a): ``retraction="first_order"`` (``w + ξ``, no
-                                second-order term)
-``geodesic_*_adaptive_norm``    ablation (b): the ball is ``‖ξ ⊘ |w|‖₂ ≤ ρ`` instead of
-                                ``‖ξ‖_w ≤ ρ`` (``ball_norm="adaptive"``)
-``*_average``                   average case, ``n_iter`` Gaussian samples (spec §7.2)
+``adaptive``                    adaptive sharpness (Eq. 1), reference ℓ2 algorithm, worst
+``geodesic_inv`` / ``_mix``     geodesic sharpness (Eq. 4), GL(h) per head, Eq. 5
+                                (second-order) retraction, worst case
+``geodesic_*_first_order``      App. G ablation (b): ``w + ξ``, no second-order term
+``geodesic_*_adaptive_norm``    App. G ablation (a): the ball is ``‖ξ ⊘ |w|‖₂ ≤ ρ`` (ξ
+                                horizontal) instead of ``‖ξ‖_w ≤ ρ``
+``*_average``                   average case, ``n_iter`` Gaussian samples
 ==============================  =========================================================
+
+The keys are the measure names of the one table with underscores
+(:attr:`~quotient_manifolds.sharpness.measures.Measure.key`).
 
 **Average-case radius.** The engine draws ``ξ ~ N(0, ρ² g⁻¹)`` (adaptive:
 ``δ = ρ |w| ⊙ N(0, I)``), whose norm is ``≈ ρ √D`` in a model with ``D`` weights, far
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -55,36 +58,24 @@ import torch
 from torch import nn
 
 from ..errors import QuotientManifoldError
+from ..sharpness.measures import Measure, measure
 
 __all__ = [
-    "MEASURES",
+    "SUITE",
     "MAIN_MEASURES",
     "measure_rho",
     "measure_tasks",
     "measure_member",
     "finish_population",
     "float32_default",
+    "seeded",
 ]
 
-#: name → (method, keyword arguments of the engine call)
-MEASURES: dict[str, tuple[str, dict]] = {
-    "adaptive": ("adaptive", dict(kind="worst")),
-    "geodesic_inv": ("geodesic", dict(metric="inv", retraction="second_order", kind="worst")),
-    "geodesic_mix": ("geodesic", dict(metric="mix", retraction="second_order", kind="worst")),
-    "geodesic_inv_first_order": ("geodesic", dict(metric="inv", retraction="first_order",
-                                                  kind="worst")),
-    "geodesic_mix_first_order": ("geodesic", dict(metric="mix", retraction="first_order",
-                                                  kind="worst")),
-    "geodesic_inv_adaptive_norm": ("geodesic", dict(metric="inv", retraction="second_order",
-                                                    kind="worst", ball_norm="adaptive")),
-    "geodesic_mix_adaptive_norm": ("geodesic", dict(metric="mix", retraction="second_order",
-                                                    kind="worst", ball_norm="adaptive")),
-    "adaptive_average": ("adaptive", dict(kind="average")),
-    "geodesic_inv_average": ("geodesic", dict(metric="inv", retraction="second_order",
-                                              kind="average")),
-    "geodesic_mix_average": ("geodesic", dict(metric="mix", retraction="second_order",
-                                              kind="average")),
-}
+#: result key → measure of the one table (:data:`quotient_manifolds.sharpness.measures.MEASURES`)
+SUITE: dict[str, Measure] = {m.key: m for m in map(measure, (
+    "adaptive", "geodesic-inv", "geodesic-mix", "geodesic-inv-first-order",
+    "geodesic-mix-first-order", "geodesic-inv-adaptive-norm", "geodesic-mix-adaptive-norm",
+    "adaptive-average", "geodesic-inv-average", "geodesic-mix-average"))}
 
 #: the three measures of the paper's Table 1 (the scatter figure)
 MAIN_MEASURES = ("adaptive", "geodesic_inv", "geodesic_mix")
@@ -101,16 +92,27 @@ def float32_default() -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
+def seeded(train: Callable) -> Callable:
+    """Run `train(hyper, ...)` with the global torch RNG seeded by `hyper["seed"]`, inside
+    `torch.random.fork_rng`: module initialisations are reproducible and the caller's RNG state
+    is left as it was (no global state changes)."""
+
+    @functools.wraps(train)
+    def wrapper(hyper, *args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(hyper["seed"]))
+            return train(hyper, *args, **kwargs)
+
+    return wrapper
+
+
 def measure_rho(name: str, rho: Mapping[str, float]) -> float:
     """The radius of measure ``name``: the adaptive-norm ρ or the metric's own ρ."""
-    method, kw = MEASURES[name]
-    if method == "adaptive" or kw.get("ball_norm") == "adaptive":
-        return float(rho["adaptive"])
-    return float(rho[kw["metric"]])
+    return float(rho[SUITE[name].norm])
 
 
 def measure_tasks(
-    rho: Mapping[str, float], grid: Sequence[float] = (1.0,), names: Iterable[str] = tuple(MEASURES)
+    rho: Mapping[str, float], grid: Sequence[float] = (1.0,), names: Iterable[str] = tuple(SUITE)
 ) -> list[tuple[str, float]]:
     """``(measure, ρ)`` pairs: the main measures at ``ρ·g`` for ``g`` in ``grid``, others at ρ."""
     out = []
@@ -142,7 +144,7 @@ def measure_member(
     cached: Mapping[str, Mapping[str, float]],
     save: Callable[[dict], None],
     grid: Sequence[float] = (1.0,),
-    names: Iterable[str] = tuple(MEASURES),
+    names: Iterable[str] = tuple(SUITE),
     float64: bool = True,
     bar: Any = None,
 ) -> dict[str, dict[str, float]]:
@@ -170,7 +172,7 @@ def measure_member(
         Multipliers of ρ for the :data:`MAIN_MEASURES` (robustness to ρ; the headline
         uses the multiplier 1); the ablations and average-case measures use ρ only.
     names : iterable of str
-        Measures to compute (default: all of :data:`MEASURES`).
+        Measures to compute (default: all of :data:`SUITE`).
     bar : tqdm, optional
         Advanced once per ``(measure, ρ)`` pair.
 
@@ -180,8 +182,6 @@ def measure_member(
         ``{name: {str(ρ): value}}``; a failed measure is NaN and its error is stored
         under ``{"error": message}`` in ``values["_errors"][name]``.
     """
-    from ..sharpness import adaptive_sharpness, geodesic_sharpness
-
     values: dict = {k: dict(v) for k, v in cached.items()}
     m = copy.deepcopy(model).double() if float64 else model
     data = [_to64(b) for b in batches] if float64 else list(batches)
@@ -192,12 +192,10 @@ def measure_member(
             if bar is not None:
                 bar.update(1)
             continue
-        method, kw = MEASURES[name]
-        fn = adaptive_sharpness if method == "adaptive" else geodesic_sharpness
-        r_call = r / math.sqrt(n_weights) if kw["kind"] == "average" else r
+        meas = SUITE[name]
+        r_call = r / math.sqrt(n_weights) if meas.kind == "average" else r
         try:
-            val = float(fn(m, loss_fn, data, rho=r_call, n_iter=n_iter, seed=seed,
-                           progress=False, **kw).value)
+            val = float(meas.run(m, loss_fn, data, rho=r_call, n_iter=n_iter, seed=seed).value)
         except QuotientManifoldError as e:  # e.g. rank-deficient head: recorded, not hidden
             val = math.nan
             values.setdefault("_errors", {})[name] = f"{type(e).__name__}: {e}"
@@ -231,7 +229,7 @@ def finish_population(
     from .report import scatter_figure, summarize
     from .store import atomic_write_text
 
-    primary = {name: measure_rho(name, rho) for name in MEASURES}
+    primary = {name: measure_rho(name, rho) for name in SUITE}
     clean = []
     for m in members:
         rec = {**m, "measures": {k: v for k, v in m["measures"].items() if not k.startswith("_")}}
@@ -250,7 +248,7 @@ def finish_population(
     out_dir.mkdir(parents=True, exist_ok=True)
     figs = [scatter_figure(res, out_dir / "scatter.png",
                            [n for n in MAIN_MEASURES if n in res["measures"]])]
-    ablations = [n for n in MEASURES if n not in MAIN_MEASURES and n in res["measures"]
+    ablations = [n for n in SUITE if n not in MAIN_MEASURES and n in res["measures"]
                  and math.isfinite(res["measures"][n]["tau"])]
     if ablations:
         figs.append(scatter_figure(res, out_dir / "scatter_ablations.png", ablations))

@@ -42,11 +42,12 @@ from torch import nn
 
 from .._deps import require
 from .sharpness_suite import (
-    MEASURES,
+    SUITE,
     finish_population,
     float32_default,
     measure_member,
     measure_tasks,
+    seeded,
 )
 from .store import PopulationStore, protocol_hash
 
@@ -198,9 +199,9 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
     return float(F.cross_entropy(logits, y)), float((logits.argmax(-1) == y).float().mean())
 
 
+@seeded
 def train_member(hyper: dict, *, steps: int | None = None) -> tuple[TinyViT, dict]:
     """Train one member (AdamW, batch 64); ``steps`` caps the number of steps (quick mode)."""
-    torch.manual_seed(hyper["seed"])
     xp, yp, xt, yt = digits_split()
     n = hyper["train_size"]
     x, y = xp[:n], noisy_labels(yp[:n], hyper["label_noise"], hyper["seed"])
@@ -276,7 +277,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     """
     from tqdm.auto import tqdm
 
-    torch.set_num_threads(1)
     store = PopulationStore(out, NAME)
     hypers = sample_population(3 if quick else N_MEMBERS)
     n_iter = 3 if quick else N_ITER
@@ -290,7 +290,7 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
                         "batches": f"pool images 0..{QUICK_BATCH - 1}, 1 batch" if quick else
                         f"pool images 0..{N_SHARP - 1}, {SHARP_BATCH} per batch, "
                                    "member's fitted labels, plain cross-entropy",
-                        "measures": {k: [m, kw] for k, (m, kw) in MEASURES.items()}}
+                        "measures": {k: m.spec() for k, m in SUITE.items()}}
     mhash = protocol_hash(measure_protocol)
     ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
 

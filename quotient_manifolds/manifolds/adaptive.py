@@ -8,9 +8,89 @@ from geoopt.utils import broadcast_shapes
 from ..errors import ShapeError, ZeroWeightError
 from ..geometry import adaptive as am
 from ..geometry.linalg import compute_dtype
-from .base import QuotientManifold
+from .base import QuotientManifold, TangentSpace
 
-__all__ = ["AdaptiveEuclidean"]
+__all__ = ["AdaptiveEuclidean", "AdaptiveTangentSpace"]
+
+
+class AdaptiveTangentSpace(TangentSpace):
+    r"""The tangent space of [`AdaptiveEuclidean`][quotient_manifolds.manifolds.AdaptiveEuclidean]
+    at $w$: the metric $\sum \xi\zeta/c^2$ with $c^2 = w^2 + \varepsilon$ (cached), no
+    vertical space.
+
+    Computations run in the working dtype (float32, or float64 for float64 points).
+
+    Entries with $c^2 = 0$ (zero weights with $\varepsilon = 0$, possible only through a
+    manifold with `validate=False`; a validating manifold raises `ZeroWeightError`) are frozen:
+    the metric is infinite there, so every gradient, sample and step is 0 on them, and `inner`
+    ignores them (their components are 0 in every vector this space produces).
+    """
+
+    def __init__(self, manifold: AdaptiveEuclidean, x0: torch.Tensor) -> None:
+        super().__init__(manifold, x0)
+        self.eps, self.ndim = manifold.eps, manifold.ndim
+        self.dtype = compute_dtype(x0.dtype)
+        self.w = x0.to(self.dtype)
+        self.c2 = am.scale2(self.w, self.eps)
+        self.live = self.c2 > 0
+        self.frozen = not bool(self.live.all()) if self.c2.numel() else False
+        self.inv_c2 = self.c2.reciprocal()
+        if self.frozen:
+            self.inv_c2.masked_fill_(~self.live, 0.0)
+        self._buf: torch.Tensor | None = None
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.ndim > 0:
+            t = t.sum(dim=tuple(range(-self.ndim, 0)))
+            x_shape = self.x0.shape[: self.x0.dim() - self.ndim]
+        else:
+            x_shape = self.x0.shape
+        return t.expand(broadcast_shapes(x_shape, t.shape))
+
+    def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""$\sum u v / (w^2 + \varepsilon)$ over the trailing `ndim` dimensions."""
+        v = u if v is None else v
+        if (self.ndim == 1 and self.x0.dim() == 1 and u.shape == v.shape == self.x0.shape
+                and u.dtype == v.dtype == self.dtype
+                and not (torch.is_grad_enabled() and (u.requires_grad or v.requires_grad))):
+            # one vector: Σ (u ⊙ c⁻²) v through a reused buffer (no fresh allocation)
+            if self._buf is None:
+                self._buf = torch.empty_like(self.inv_c2)
+            return torch.dot(torch.mul(u, self.inv_c2, out=self._buf), v)
+        u_, v_ = u.to(self.dtype), v.to(self.dtype)
+        return self._reduce(u_ * v_ * self.inv_c2).to(u.dtype)
+
+    def proju(self, u: torch.Tensor) -> torch.Tensor:
+        """Identity (no vertical space), broadcast to the shape of the point."""
+        return u.expand(broadcast_shapes(self.x0.shape, u.shape))
+
+    def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Identity: every vector is horizontal, whatever the norm."""
+        return self.proju(u)
+
+    def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r"""$(w^2 + \varepsilon) \odot \nabla L$ (into `out` if given)."""
+        if out is not None and g.dtype == self.dtype:
+            return torch.mul(g, self.c2, out=out)
+        return (self.c2 * g.to(self.dtype)).to(g.dtype)
+
+    def _frozen_zero(self, t: torch.Tensor, where_frozen: torch.Tensor | float) -> torch.Tensor:
+        return torch.where(self.live, t, where_frozen) if self.frozen else t
+
+    def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""$\Gamma_w(u, v) = -w u v / (w^2 + \varepsilon)$."""
+        u_ = u.to(self.dtype)
+        v_ = u_ if v is None else v.to(self.dtype)
+        return self._frozen_zero(am.christoffel(self.w, u_, v_, self.eps), 0.0).to(u.dtype)
+
+    def geodesic(self, u: torch.Tensor) -> torch.Tensor:
+        r"""$w e^{\xi/w}$ ($\varepsilon = 0$), else the flat-coordinate form."""
+        return self._frozen_zero(am.geodesic(self.w, u.to(self.dtype), self.eps),
+                                 self.w).to(self.x0.dtype)
+
+    def metric_sqrt_inv(self, z: torch.Tensor) -> torch.Tensor:
+        r"""$z \odot \sqrt{w^2 + \varepsilon}$."""
+        return z * self.c2.sqrt().to(z.dtype)
 
 
 class AdaptiveEuclidean(QuotientManifold):
@@ -81,25 +161,20 @@ class AdaptiveEuclidean(QuotientManifold):
     ) -> tuple[bool, str | None]:
         return True, None
 
-    def _prepare(self, x: torch.Tensor, *vectors: torch.Tensor | None, divides: bool = True):
+    # -- tangent spaces ----------------------------------------------------------
+    def at(self, x: torch.Tensor) -> AdaptiveTangentSpace:
+        """The tangent space at `x` (zero weights with `eps = 0` raise ZeroWeightError)."""
+        return self._at(x)
+
+    def _at(self, x: torch.Tensor, *vectors: torch.Tensor | None) -> AdaptiveTangentSpace:
         if self.validate:
             if len(x.shape) < self.ndim:
                 raise ShapeError(self._check_shape(x.shape, "x")[1])
             self._check_inputs(x, *vectors)
-            if divides:
-                ok, reason = self._zero_free(x)
-                if not ok:
-                    raise ZeroWeightError(reason)
-        dt = compute_dtype(x.dtype)
-        return tuple(None if t is None else t.to(dt) for t in (x,) + vectors)
-
-    def _reduce(self, t: torch.Tensor, x: torch.Tensor, keepdim: bool) -> torch.Tensor:
-        if self.ndim > 0:
-            t = t.sum(dim=tuple(range(-self.ndim, 0)), keepdim=keepdim)
-            x_shape = x.shape[: -self.ndim] + (1,) * self.ndim * keepdim
-        else:
-            x_shape = x.shape
-        return t.expand(broadcast_shapes(x_shape, t.shape))
+            ok, reason = self._zero_free(x)
+            if not ok:
+                raise ZeroWeightError(reason)
+        return AdaptiveTangentSpace(self, x)
 
     def inner(
         self,
@@ -109,18 +184,18 @@ class AdaptiveEuclidean(QuotientManifold):
         *,
         keepdim: bool = False,
     ) -> torch.Tensor:
-        r"""``Σ u v / (w² + ε)`` over the trailing ``ndim`` dimensions."""
-        w, u_, v_ = self._prepare(x, u, v)
-        v_ = u_ if v_ is None else v_
-        return self._reduce(u_ * v_ / am.scale2(w, self.eps), x, keepdim).to(u.dtype)
+        r"""$\sum u v / (w^2 + \varepsilon)$ over the trailing `ndim` dimensions."""
+        out = self._at(x, u, v).inner(u, v)
+        return out[(...,) + (None,) * self.ndim] if keepdim else out
 
     def component_inner(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Elementwise metric terms (so RiemannianAdam adapts per weight, like Adam)."""
-        w, u_, v_ = self._prepare(x, u, v)
-        v_ = u_ if v_ is None else v_
-        out = u_ * v_ / am.scale2(w, self.eps)
+        ts = self._at(x, u, v)
+        u_ = u.to(ts.dtype)
+        v_ = u_ if v is None else v.to(ts.dtype)
+        out = u_ * v_ / ts.c2
         return out.expand(broadcast_shapes(x.shape, out.shape)).to(u.dtype)
 
     def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -128,20 +203,10 @@ class AdaptiveEuclidean(QuotientManifold):
         return u.expand(broadcast_shapes(x.shape, u.shape))
 
     def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""``(w² + ε) ⊙ ∇L``."""
-        w, g = self._prepare(x, u, divides=False)
-        return am.egrad2rgrad(w, g, self.eps).to(u.dtype)
-
-    def christoffel(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        r"""``Γ_w(u, v) = −w u v / (w² + ε)``."""
-        w, u_, v_ = self._prepare(x, u, v)
-        return am.christoffel(w, u_, u_ if v_ is None else v_, self.eps).to(u.dtype)
-
-    def _geodesic(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        w, u_ = self._prepare(x, u)
-        return am.geodesic(w, u_, self.eps).to(x.dtype)
+        r"""$(w^2 + \varepsilon) \odot \nabla L$ (defined at zero weights too)."""
+        if self.validate:
+            self._check_inputs(x, u)
+        return AdaptiveTangentSpace(self, x).egrad2rgrad(u)
 
     # -- group structure --------------------------------------------------------
     def vertical(self, x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,16 @@
-"""Shared machinery of the quotient manifolds: retraction choice, checks, transport."""
+r"""Shared machinery of the quotient manifolds: frozen tangent spaces, the retraction table,
+checks and transport.
+
+Every manifold implements its geometry once, in a
+[`TangentSpace`][quotient_manifolds.manifolds.base.TangentSpace] built by `M.at(x0)` for one
+base point. The manifold's geoopt methods (`inner`, `proju`,
+`egrad2rgrad`, `retr`, `expmap`, …) build `self.at(x)` and call it, so geoopt optimizers and the
+sharpness engine run the same code.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import geoopt
 import torch
@@ -9,9 +19,47 @@ from geoopt.utils import size2shape
 from ..errors import NonFiniteError, ShapeError
 from ..geometry.gl import check_finite
 
-__all__ = ["RETRACTIONS", "QuotientManifold", "assert_broadcastable"]
+__all__ = ["RETRACTIONS", "QuotientManifold", "TangentSpace", "assert_broadcastable",
+           "check_retraction", "standard_normal"]
 
 RETRACTIONS = ("first_order", "second_order", "exact")
+r"""The retractions of every manifold, by name:
+
+* `"first_order"`: $x + u$;
+* `"second_order"`: $x + u - \tfrac12 \Gamma_x(u, u)$, the truncated geodesic of Eq. 5;
+* `"exact"`: the geodesic $\gamma_u(1)$ (closed form or RK4, per manifold).
+"""
+
+Generator = torch.Generator | Sequence[torch.Generator] | None
+
+
+def check_retraction(kind: str) -> str:
+    """`kind` if it names a retraction of
+    [`RETRACTIONS`][quotient_manifolds.manifolds.base.RETRACTIONS], else ValueError."""
+    if kind not in RETRACTIONS:
+        raise ValueError(f"retraction must be one of {RETRACTIONS}, got {kind!r}")
+    return kind
+
+
+def standard_normal(shape: Sequence[int], generator: Generator, dtype: torch.dtype,
+                    device: torch.device | str | None) -> torch.Tensor:
+    """Standard normal entries, drawn on the CPU and moved to `device`.
+
+    Drawing on the generator's device (the CPU by default) gives the same samples whatever
+    device the model is on. `generator` may be a sequence of generators, one per entry of the
+    first dimension (one per independent problem), so a problem's draws do not depend on the
+    other problems drawn with it.
+    """
+    shape = tuple(shape)
+    if generator is None or isinstance(generator, torch.Generator):
+        z = torch.randn(shape, generator=generator, dtype=dtype)
+    else:
+        gens = list(generator)
+        if not shape or len(gens) != shape[0]:
+            raise ShapeError(f"got {len(gens)} generators for samples of shape {shape}; pass one "
+                             "generator per entry of the first dimension")
+        z = torch.stack([torch.randn(shape[1:], generator=g, dtype=dtype) for g in gens])
+    return z.to(device)
 
 
 def assert_broadcastable(shapes: dict, ndim: int) -> None:
@@ -26,20 +74,128 @@ def assert_broadcastable(shapes: dict, ndim: int) -> None:
         raise ShapeError(f"point and tangent vectors do not match ({listed})")
 
 
+class TangentSpace:
+    r"""The horizontal tangent space of a quotient manifold at one base point $x_0$.
+
+    Made by `manifold.at(x0)`. It caches what the operations at $x_0$ share (Gram matrices,
+    Cholesky factors, the Sylvester eigenbasis) and is what both the manifold's geoopt methods
+    and the sharpness engine call. Tangent vectors have the shape of `x0` (or broadcast
+    against it); the leading dimensions are a batch of independent blocks, and reductions
+    (`inner`, `norm`) return one value per block.
+
+    Attributes
+    ----------
+    manifold : QuotientManifold
+        The manifold.
+    x0 : Tensor
+        The base point.
+    """
+
+    def __init__(self, manifold: QuotientManifold, x0: torch.Tensor) -> None:
+        self.manifold = manifold
+        self.x0 = x0
+
+    # -- the metric -------------------------------------------------------------
+    def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""The metric $\langle u, v\rangle_{x_0}$ ($v = u$ if omitted), one value per block."""
+        raise NotImplementedError
+
+    def norm(self, u: torch.Tensor) -> torch.Tensor:
+        r"""$\|u\|_{x_0} = \sqrt{\langle u, u\rangle_{x_0}}$, one value per block."""
+        return self.inner(u).clamp_min(0).sqrt()
+
+    # -- projections and gradients ----------------------------------------------
+    def proju(self, u: torch.Tensor) -> torch.Tensor:
+        r"""The metric-orthogonal projection $\Pi$ onto the horizontal space."""
+        raise NotImplementedError
+
+    def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        r"""The projection onto the horizontal space that is orthogonal in the diagonal norm
+        $\sum u^2 / w_2$ (the norm of the adaptive-norm ball, App. G (a)).
+
+        `w2` has the shape of `x0` and positive entries.
+        """
+        raise NotImplementedError
+
+    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
+        """The horizontal Riemannian gradient of a Euclidean gradient `g`."""
+        raise NotImplementedError
+
+    # -- curvature and retractions ----------------------------------------------
+    def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""The Christoffel form $\Gamma_{x_0}(u, v)$; the quadratic form $\Gamma_{x_0}(u, u)$
+        if `v` is omitted."""
+        raise NotImplementedError
+
+    def geodesic(self, u: torch.Tensor) -> torch.Tensor:
+        r"""The geodesic $\gamma_u(1)$ from $x_0$."""
+        raise NotImplementedError
+
+    def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        r"""The point reached from $x_0$ along `u` by the retraction `kind`.
+
+        `kind` is one of [`RETRACTIONS`][quotient_manifolds.manifolds.base.RETRACTIONS]; `None`
+        uses the manifold's `retraction`. Differentiable in `u`.
+        """
+        kind = self.manifold.retraction if kind is None else kind
+        if kind == "first_order":
+            return self.x0 + u
+        if kind == "second_order":
+            return self.x0 + u - 0.5 * self.christoffel(u)
+        if kind == "exact":
+            return self.geodesic(u)
+        return check_retraction(kind)  # raises
+
+    def clip_to_domain(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        """`u` moved into the domain of the retraction `kind` (`None`: the manifold's); the
+        identity unless the exact geodesic has a domain (the mix metric of diagonal nets)."""
+        return u
+
+    # -- sampling -----------------------------------------------------------------
+    def metric_sqrt_inv(self, z: torch.Tensor) -> torch.Tensor:
+        r"""A square root $S$ of the inverse metric applied to `z`: if $z \sim N(0, I)$ then
+        $S z \sim N(0, g^{-1})$ (before the horizontal projection)."""
+        raise NotImplementedError
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        """Shape of the standard normal noise that `sample` maps to a tangent vector."""
+        return tuple(self.x0.shape)
+
+    def _noise(self, generator: Generator, noise: torch.Tensor | None) -> torch.Tensor:
+        if noise is not None:
+            return noise.to(self.x0.dtype)
+        return standard_normal(self.noise_shape, generator, self.x0.dtype, self.x0.device)
+
+    def sample(self, generator: Generator = None, *, noise: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        r"""A standard Gaussian horizontal vector: covariance the inverse metric restricted to the
+        horizontal space (unit radius), $\Pi(S z)$ with $z \sim N(0, I)$.
+
+        `noise` (shape `noise_shape`) replaces the draw of $z$ from `generator`.
+        """
+        return self.proju(self.metric_sqrt_inv(self._noise(generator, noise)))
+
+    def sample_weighted(self, w2: torch.Tensor, generator: Generator = None, *,
+                        noise: torch.Tensor | None = None) -> torch.Tensor:
+        r"""A standard Gaussian horizontal vector of the diagonal norm $\sum u^2/w_2$."""
+        return self.proju_weighted(self._noise(generator, noise) * w2.sqrt(), w2)
+
+
 class QuotientManifold(geoopt.manifolds.Manifold):
-    r"""Base class: a metric with Christoffel form ``Γ`` and a choice of retraction.
+    r"""Base class: a metric with Christoffel form $\Gamma$ and a choice of retraction.
 
-    Subclasses implement the geometry kernels ``inner``, ``proju``,
-    ``egrad2rgrad``, :meth:`christoffel` and the exact geodesic
-    ``_geodesic``.  This class turns them into geoopt's ``retr`` (chosen by
-    ``retraction``), ``expmap`` (always exact), ``transp`` (projection onto the
-    horizontal space at the target point, spec §15) and ``retr_transp``.
+    Subclasses implement `at`, which
+    returns the [`TangentSpace`][quotient_manifolds.manifolds.base.TangentSpace] of a base point;
+    this class turns it into geoopt's `inner`, `proju`, `egrad2rgrad`, `retr` (chosen by
+    `retraction`), `expmap` (always exact), `transp` (projection onto the horizontal space at
+    the target point) and `retr_transp`.
 
-    Retractions (spec §6.3):
+    Retractions ([`RETRACTIONS`][quotient_manifolds.manifolds.base.RETRACTIONS]):
 
-    * ``"first_order"``: ``x + u``;
-    * ``"second_order"``: ``x + u − ½ Γ_x(u, u)``, the truncated geodesic of Eq. 5;
-    * ``"exact"``: the geodesic ``γ_u(1)``.
+    * `"first_order"`: $x + u$;
+    * `"second_order"`: $x + u - \tfrac12 \Gamma_x(u, u)$, the truncated geodesic of Eq. 5;
+    * `"exact"`: the geodesic $\gamma_u(1)$.
     """
 
     __scaling__ = geoopt.manifolds.Manifold.__scaling__.copy()
@@ -47,10 +203,17 @@ class QuotientManifold(geoopt.manifolds.Manifold):
 
     def __init__(self, retraction: str, validate: bool = True) -> None:
         super().__init__()
-        if retraction not in RETRACTIONS:
-            raise ValueError(f"retraction must be one of {RETRACTIONS}, got {retraction!r}")
-        self.retraction = retraction
+        self.retraction = check_retraction(retraction)
         self.validate = validate
+
+    # -- tangent spaces -----------------------------------------------------------
+    def at(self, x: torch.Tensor) -> TangentSpace:
+        """The frozen tangent space at `x` (validated when `validate`)."""
+        raise NotImplementedError
+
+    def _at(self, x: torch.Tensor, *vectors: torch.Tensor | None) -> TangentSpace:
+        """``at(x)`` after checking the vectors (shapes, finiteness) when `validate`."""
+        raise NotImplementedError
 
     # -- checks ---------------------------------------------------------------
     def _check_inputs(self, *tensors: torch.Tensor | None) -> None:
@@ -64,36 +227,47 @@ class QuotientManifold(geoopt.manifolds.Manifold):
             return False, str(e)
         return True, None
 
-    # -- geometry provided by subclasses --------------------------------------
+    # -- geometry, through the tangent space --------------------------------------
+    def inner(
+        self,
+        x: torch.Tensor,
+        u: torch.Tensor,
+        v: torch.Tensor | None = None,
+        *,
+        keepdim: bool = False,
+    ) -> torch.Tensor:
+        r"""The metric $\langle u, v\rangle_x$, one value per block."""
+        out = self._at(x, u, v).inner(u, v)
+        return out[(...,) + (None,) * self.ndim] if keepdim else out
+
+    def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        r"""The metric-orthogonal horizontal projection $\Pi_x(u)$."""
+        return self._at(x, u).proju(u)
+
+    def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The horizontal Riemannian gradient of a Euclidean gradient `u`."""
+        return self._at(x, u).egrad2rgrad(u)
+
     def christoffel(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
     ) -> torch.Tensor:
-        r"""Christoffel form ``Γ_x(u, v)``; ``Γ_x(u, u)`` when ``v`` is omitted."""
-        raise NotImplementedError
+        r"""Christoffel form $\Gamma_x(u, v)$; $\Gamma_x(u, u)$ when `v` is omitted."""
+        return self._at(x, u, v).christoffel(u, v)
 
-    def _geodesic(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    # -- retractions ----------------------------------------------------------
     def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The retraction selected by ``retraction`` (optimizers call this)."""
-        if self.retraction == "first_order":
-            self._check_inputs(x, u)
-            return x + u
-        if self.retraction == "second_order":
-            return self.retr_second_order(x, u)
-        return self._geodesic(x, u)
+        """The retraction selected by `retraction` (optimizers call this)."""
+        return self._at(x, u).retract(u, self.retraction)
 
     def retr_second_order(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""``x + u − ½ Γ_x(u, u)`` (Eq. 5), Γ evaluated at the base point."""
-        return x + u - 0.5 * self.christoffel(x, u)
+        r"""$x + u - \tfrac12 \Gamma_x(u, u)$ (Eq. 5), $\Gamma$ evaluated at the base point."""
+        return self._at(x, u).retract(u, "second_order")
 
     def expmap(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The exact geodesic ``γ_u(1)``, whatever ``retraction`` says."""
-        return self._geodesic(x, u)
+        r"""The exact geodesic $\gamma_u(1)$, whatever `retraction` says."""
+        return self._at(x, u).retract(u, "exact")
 
     def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Vector transport by horizontal projection at ``y`` (not an isometry)."""
+        """Vector transport by horizontal projection at `y` (not an isometry)."""
         return self.proju(y, v)
 
     def retr_transp(
@@ -103,7 +277,7 @@ class QuotientManifold(geoopt.manifolds.Manifold):
         return y, self.proju(y, v)
 
     def projx(self, x: torch.Tensor) -> torch.Tensor:
-        """Identity: a point is never moved along its orbit (geoopt-notes §2.4)."""
+        """Identity: a point is never moved along its orbit."""
         return x
 
     def extra_repr(self) -> str:

@@ -8,9 +8,105 @@ from ..errors import RankDeficientError, ShapeError
 from ..geometry import diagonal as dm
 from ..geometry.gl import METRICS
 from ..geometry.linalg import compute_dtype
-from .base import QuotientManifold, assert_broadcastable
+from .base import Generator, QuotientManifold, TangentSpace, assert_broadcastable
 
-__all__ = ["DiagonalQuotient"]
+__all__ = ["DiagonalQuotient", "DiagonalTangentSpace"]
+
+
+class DiagonalTangentSpace(TangentSpace):
+    r"""The tangent space of [`DiagonalQuotient`][quotient_manifolds.manifolds.DiagonalQuotient]
+    at $(u, v)$.
+
+    Horizontal vectors are $(b \odot u, b \odot v)$, $b \in \mathbb R^d$; the projection and
+    the weighted projection have closed forms, and samples are drawn in $b$ (so a sample needs
+    $d$ normal numbers per point, not $2d$).
+    """
+
+    def __init__(self, manifold: DiagonalQuotient, x0: torch.Tensor) -> None:
+        super().__init__(manifold, x0)
+        self.metric = manifold.metric
+        self.dtype = compute_dtype(x0.dtype)
+        self.u, self.v = manifold.split(x0.to(self.dtype))
+
+    def _split(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.manifold.split(t.to(self.dtype))
+
+    def _join(self, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.manifold.pack_point(a, b).to(dtype)
+
+    def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""Eq. 6 (inv) or Eq. 7 (mix), summed over the $d$ coordinates."""
+        ua, uc = self._split(u)
+        va, vc = (ua, uc) if v is None else self._split(v)
+        return dm.inner_terms(self.u, self.v, ua, uc, va, vc, self.metric).sum(-1).to(u.dtype)
+
+    def horizontal_coefficient(self, u: torch.Tensor) -> torch.Tensor:
+        r"""$b = \tfrac12(\eta_u/u + \eta_v/v)$."""
+        return dm.horizontal_coefficient(self.u, self.v, *self._split(u)).to(u.dtype)
+
+    def proju(self, u: torch.Tensor) -> torch.Tensor:
+        r"""$(b \odot u, b \odot v)$ with $b = \tfrac12(\eta_u/u + \eta_v/v)$ (both metrics)."""
+        return self._join(*dm.project(self.u, self.v, *self._split(u)), u.dtype)
+
+    def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        r"""$(b u, b v)$ with $b = (\eta_u u/w_u + \eta_v v/w_v) / (u^2/w_u + v^2/w_v)$,
+        the horizontal vector closest to $\eta$ in $\sum \eta^2/w_2$."""
+        ea, ec = self._split(u)
+        wa, wc = self._split(w2.expand_as(u))
+        b = (ea * self.u / wa + ec * self.v / wc) / (self.u**2 / wa + self.v**2 / wc)
+        return self._join(b * self.u, b * self.v, u.dtype)
+
+    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
+        r"""inv: $\Pi(u^2 \partial_u L, v^2 \partial_v L)$; mix: $\Pi(\partial_u L / v^2,
+        \partial_v L / u^2)$."""
+        return self._join(*dm.egrad2rgrad(self.u, self.v, *self._split(g), self.metric), g.dtype)
+
+    def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""$\Gamma_x(u, v)$ of
+        `quotient_manifolds.geometry.diagonal.christoffel`."""
+        ua, uc = self._split(u)
+        va, vc = (ua, uc) if v is None else self._split(v)
+        return self._join(*dm.christoffel(self.u, self.v, ua, uc, va, vc, self.metric), u.dtype)
+
+    def geodesic(self, u: torch.Tensor) -> torch.Tensor:
+        """The closed-form geodesic (Eq. 24 for horizontal velocities)."""
+        return self._join(*dm.geodesic(self.u, self.v, *self._split(u), self.metric),
+                          self.x0.dtype)
+
+    def clip_to_domain(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        r"""mix with the exact retraction: the horizontal coefficient clamped to
+        $b \ge -\tfrac12 + \delta$ (the geodesic $u\sqrt{1 + 2b}$ needs $1 + 2b > 0$;
+        $\delta$ = `domain_margin`), for horizontal `u`; otherwise the identity."""
+        kind = self.manifold.retraction if kind is None else kind
+        if self.metric != "mix" or kind != "exact":
+            return u
+        b = dm.horizontal_coefficient(self.u, self.v, *self._split(u))
+        b = b.clamp_min(-0.5 + self.manifold.domain_margin)
+        return self._join(b * self.u, b * self.v, u.dtype)
+
+    @property
+    def noise_shape(self) -> tuple[int, ...]:
+        """`(..., d)`: one normal number per coordinate (the horizontal dimension)."""
+        return tuple(self.u.shape)
+
+    def _horizontal(self, b: torch.Tensor) -> torch.Tensor:
+        return self._join(b * self.u, b * self.v, self.x0.dtype)
+
+    def sample(self, generator: Generator = None, *, noise: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        r"""Standard Gaussian horizontal vector: $b = z/\sqrt 2$ (inv, $\|\xi\|^2 = 2\|b\|^2$)
+        or $b = z/(\sqrt 2 |uv|)$ (mix, $\|\xi\|^2 = 2\|uv \odot b\|^2$), $z \sim N(0, I_d)$."""
+        z = self._noise(generator, noise).to(self.dtype)
+        scale = 2**0.5 * ((self.u * self.v).abs() if self.metric == "mix" else 1.0)
+        return self._horizontal(z / scale)
+
+    def sample_weighted(self, w2: torch.Tensor, generator: Generator = None, *,
+                        noise: torch.Tensor | None = None) -> torch.Tensor:
+        r"""Standard Gaussian horizontal vector of $\sum \eta^2/w_2$: $b = z / \sqrt{u^2/w_u +
+        v^2/w_v}$."""
+        z = self._noise(generator, noise).to(self.dtype)
+        wa, wc = self._split(w2.expand_as(self.x0))
+        return self._horizontal(z / (self.u**2 / wa + self.v**2 / wc).sqrt())
 
 
 class DiagonalQuotient(QuotientManifold):
@@ -31,6 +127,8 @@ class DiagonalQuotient(QuotientManifold):
         is ``(u√(1+2b), v√(1+2b))`` (Eq. 24).
     validate : bool
         Check shapes, finiteness and nonzero entries of inputs.
+    domain_margin : float
+        $\delta$ of the mix domain $b \ge -\tfrac12 + \delta$ used by `clip_to_domain`.
 
     Notes
     -----
@@ -44,12 +142,14 @@ class DiagonalQuotient(QuotientManifold):
     ndim = 2
 
     def __init__(
-        self, metric: str = "inv", retraction: str = "exact", *, validate: bool = True
+        self, metric: str = "inv", retraction: str = "exact", *, validate: bool = True,
+        domain_margin: float = 1e-6,
     ) -> None:
         super().__init__(retraction, validate)
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
         self.metric = metric
+        self.domain_margin = float(domain_margin)
 
     def extra_repr(self) -> str:
         return f"metric={self.metric!r}, {super().extra_repr()}"
@@ -100,7 +200,12 @@ class DiagonalQuotient(QuotientManifold):
             )
         return True, None
 
-    def _prepare(self, x: torch.Tensor, *vectors: torch.Tensor | None):
+    # -- tangent spaces ----------------------------------------------------------
+    def at(self, x: torch.Tensor) -> DiagonalTangentSpace:
+        """The tangent space at `x` (`(…, 2, d)`, rows `u`, `v`; entries nonzero)."""
+        return self._at(x)
+
+    def _at(self, x: torch.Tensor, *vectors: torch.Tensor | None) -> DiagonalTangentSpace:
         if self.validate:
             for name, t in (("x", x),) + tuple((f"u{i}", v) for i, v in enumerate(vectors)):
                 if t is not None:
@@ -116,50 +221,11 @@ class DiagonalQuotient(QuotientManifold):
             ok, reason = self._nonzero(x)
             if not ok:
                 raise RankDeficientError(reason)
-        dt = compute_dtype(x.dtype)
-        return tuple(None if t is None else self.split(t.to(dt)) for t in (x,) + vectors)
-
-    # -- geometry -------------------------------------------------------------
-    def inner(
-        self,
-        x: torch.Tensor,
-        u: torch.Tensor,
-        v: torch.Tensor | None = None,
-        *,
-        keepdim: bool = False,
-    ) -> torch.Tensor:
-        r"""The metric (Eq. 6 or 7), summed over the ``d`` coordinates."""
-        (a, c), (ua, uc), vv = self._prepare(x, u, v)
-        va, vc = (ua, uc) if vv is None else vv
-        out = dm.inner_terms(a, c, ua, uc, va, vc, self.metric).sum(-1).to(u.dtype)
-        return out[..., None, None] if keepdim else out
-
-    def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""``(b ⊙ u, b ⊙ v)`` with ``b = ½(η_u/u + η_v/v)``."""
-        (a, c), (ua, uc) = self._prepare(x, u)
-        return self._join(*dm.project(a, c, ua, uc), u.dtype)
-
-    def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""inv: ``Π(u² ∂_u L, v² ∂_v L)``; mix: ``Π(∂_u L / v², ∂_v L / u²)``."""
-        (a, c), (ga, gc) = self._prepare(x, u)
-        return self._join(*dm.egrad2rgrad(a, c, ga, gc, self.metric), u.dtype)
-
-    def christoffel(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        r"""``Γ_x(u, v)``; see :func:`quotient_manifolds.geometry.diagonal.christoffel`."""
-        (a, c), (ua, uc), vv = self._prepare(x, u, v)
-        va, vc = (ua, uc) if vv is None else vv
-        return self._join(*dm.christoffel(a, c, ua, uc, va, vc, self.metric), u.dtype)
-
-    def _geodesic(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        (a, c), (ua, uc) = self._prepare(x, u)
-        return self._join(*dm.geodesic(a, c, ua, uc, self.metric), x.dtype)
+        return DiagonalTangentSpace(self, x)
 
     def horizontal_coefficient(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""``b = ½(η_u/u + η_v/v)``: the horizontal part of ``u`` as a ``(..., d)`` tensor."""
-        (a, c), (ua, uc) = self._prepare(x, u)
-        return dm.horizontal_coefficient(a, c, ua, uc).to(u.dtype)
+        r"""$b = \tfrac12(\eta_u/u + \eta_v/v)$: the horizontal part of `u`, `(..., d)`."""
+        return self._at(x, u).horizontal_coefficient(u)
 
     # -- group structure --------------------------------------------------------
     def vertical(self, x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,219 @@
-r"""GL(h) quotient of factor pairs ``(G, H)`` that act only through ``G Hᵀ``."""
+r"""GL(h) quotient of factor pairs $(G, H)$ that act only through $G H^\top$."""
 
 from __future__ import annotations
+
+from functools import cached_property
 
 import torch
 
 from ..errors import RankDeficientError, ShapeError
-from ..geometry import gl
-from ..geometry.linalg import transpose
-from .base import QuotientManifold, assert_broadcastable
+from ..geometry import gl, subgroup
+from ..geometry.linalg import GRAM_DTYPE, transpose
+from .base import QuotientManifold, TangentSpace, assert_broadcastable
 
-__all__ = ["GLQuotient"]
+__all__ = ["GLQuotient", "GLTangentSpace"]
 
+#: relative residual at which the conjugate-gradient solve of `proju_weighted` stops
+CG_TOL = 1e-12
+
+
+def _join(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = a.expand(*batch, *a.shape[-2:])
+    b = b.expand(*batch, *b.shape[-2:])
+    return torch.cat([a, b], dim=-2).to(dtype)
+
+
+class GLTangentSpace(TangentSpace):
+    r"""The horizontal tangent space of [`GLQuotient`][quotient_manifolds.manifolds.GLQuotient]
+    at one point $x_0 = [G; H]$ (or a batch of blocks).
+
+    The Gram matrices $P = G^\top G + \varepsilon I$, $Q = H^\top H + \varepsilon I$, their
+    inverses and Cholesky factors are computed once (float64); the Sylvester eigenbasis of the
+    projection and the Cholesky factors of the sampler on first use.
+    """
+
+    def __init__(self, manifold: GLQuotient, x0: torch.Tensor) -> None:
+        super().__init__(manifold, x0)
+        self.n, self.metric, self.eps = manifold.n, manifold.metric, manifold.eps
+        self.sub = manifold.subalgebra
+        self.G, self.H = x0[..., : self.n, :], x0[..., self.n :, :]
+        self.grams = gl.grams(self.G, self.H, self.eps)
+
+    def split(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return u[..., : self.n, :], u[..., self.n :, :]
+
+    @cached_property
+    def basis(self) -> gl.SylvesterBasis | None:
+        """The eigenbasis of the projection equation (inv, or ε > 0); None for mix at ε = 0."""
+        if self.metric == "inv" or self.eps > 0:
+            return gl.sylvester_basis(self.grams, self.metric)
+        return None
+
+    @cached_property
+    def sub_system(self):
+        """The per-point system of the subgroup projection (subalgebra only)."""
+        return subgroup.subgroup_system(self.G, self.H, self.grams, self.metric, self.sub)
+
+    @cached_property
+    def _sampler(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gr = self.grams
+        a, b = (gr.P, gr.Q) if self.metric == "inv" else (gr.Q_inv, gr.P_inv)
+        return torch.linalg.cholesky(a), torch.linalg.cholesky(b)
+
+    def _metric_matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""$(M_G, M_H)$ with $\langle u, v\rangle = Tr(M_G u_G^\top v_G + M_H u_H^\top v_H)$."""
+        gr = self.grams
+        return (gr.P_inv, gr.Q_inv) if self.metric == "inv" else (gr.Q, gr.P)
+
+    # -- geometry ---------------------------------------------------------------
+    def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""Eq. 9 (inv) or Eq. 10 (mix), one value per block."""
+        uG, uH = self.split(u)
+        vG, vH = (uG, uH) if v is None else self.split(v)
+        return gl.inner(self.G, self.H, uG, uH, vG, vH, self.grams, self.metric).to(u.dtype)
+
+    def _project(self, uG: torch.Tensor, uH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sub is None:
+            return gl.project(self.G, self.H, uG, uH, self.grams, self.metric, self.basis)
+        return subgroup.project(self.G, self.H, uG, uH, self.grams, self.metric, self.sub,
+                                   self.sub_system)
+
+    def proju(self, u: torch.Tensor) -> torch.Tensor:
+        r"""$(u_G + G\Lambda, u_H - H\Lambda^\top)$, metric-orthogonal onto the horizontal space."""
+        return _join(*self._project(*self.split(u)), u.dtype)
+
+    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
+        r"""inv: $\Pi(\nabla_G P, \nabla_H Q)$; mix: $\Pi(\nabla_G Q^{-1}, \nabla_H P^{-1})$."""
+        rG, rH = gl.egrad2rgrad(*self.split(g), self.grams, self.metric)
+        return _join(*self._project(rG, rH), g.dtype)
+
+    def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        r"""The horizontal projection orthogonal in $\sum u^2 / w_2$, by conjugate gradients.
+
+        With $R(u) = G^\top u_G M_G - M_H u_H^\top H$ (so that $\langle u, V(X)\rangle =
+        \langle R(u), X\rangle_F$ for the vertical vectors $V(X) = (GX, -HX^\top)$, and
+        $u$ is horizontal iff $R(u) = 0$), the projection is
+
+        $$
+        \eta = u + w_2 \odot R^*(Y), \qquad R(w_2 \odot R^*(Y)) = -R(u),
+        $$
+
+        with $R^*(Y) = (G Y M_G, -H Y^\top M_H)$. The $h \times h$ system (restricted to the
+        subalgebra $\mathfrak k$ if one is given) is symmetric positive definite and is solved
+        by batched, Jacobi-preconditioned conjugate gradients in float64 to a relative residual
+        of `CG_TOL` (or until it stalls).
+        """
+        out_dt = u.dtype
+        uG, uH = (t.to(GRAM_DTYPE) for t in self.split(u))
+        wG, wH = (t.to(GRAM_DTYPE) for t in self.split(w2.expand_as(u)))
+        G, H = self.G.to(GRAM_DTYPE), self.H.to(GRAM_DTYPE)
+        MG, MH = self._metric_matrices()
+        proj = (lambda X: X) if self.sub is None else self.sub.project
+
+        def R(aG, aH):
+            return transpose(G) @ aG @ MG - MH @ transpose(aH) @ H
+
+        def R_star(Y):
+            return G @ Y @ MG, -(H @ transpose(Y) @ MH)
+
+        def A(Y):
+            sG, sH = R_star(Y)
+            return proj(R(wG * sG, wH * sH))
+
+        b = -proj(R(uG, uH))
+        if self.sub is None:  # the diagonal of A: Jacobi preconditioner
+            d = transpose(G * G) @ wG @ (MG * MG) + (MH * MH) @ transpose(wH) @ (H * H)
+            d = torch.where(d > 0, d, 1.0)
+        else:
+            d = torch.ones_like(b)
+        Y = _cg(A, b, d, tol=CG_TOL, max_iter=10 * b.shape[-1] ** 2 + 100)
+        sG, sH = R_star(Y)
+        return _join(uG + wG * sG, uH + wH * sH, out_dt)
+
+    def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
+        r"""$\Gamma_{x_0}(u, v)$ (Eq. 11/12, polarised); $\Gamma_{x_0}(u, u)$ if `v` is omitted."""
+        uG, uH = self.split(u)
+        vG, vH = (None, None) if v is None else self.split(v)
+        cG, cH = gl.christoffel(self.G, self.H, uG, uH, vG, vH, self.grams, self.metric)
+        return _join(cG, cH, u.dtype)
+
+    def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+        r"""As [`TangentSpace.retract`][quotient_manifolds.manifolds.base.TangentSpace.retract];
+        the second order runs as one fused kernel
+        (`quotient_manifolds.geometry.gl.second_order`), equal to
+        $x_0 + u - \tfrac12 \Gamma_{x_0}(u, u)$, unless the base point itself requires a
+        gradient."""
+        kind = self.manifold.retraction if kind is None else kind
+        if kind != "second_order" or (torch.is_grad_enabled() and self.x0.requires_grad):
+            # the fused kernel differentiates in u only; a base point that needs a gradient
+            # takes the autograd path through x0 + u − ½Γ(u, u)
+            return super().retract(u, kind)
+        yG, yH = gl.second_order(self.G, self.H, *self.split(u), self.grams, self.metric)
+        return _join(yG, yH, u.dtype)
+
+    def geodesic(self, u: torch.Tensor) -> torch.Tensor:
+        """RK4 in the $2h$-dim span of $[F, u_F]$
+        (`quotient_manifolds.geometry.gl.geodesic`)."""
+        yG, yH = gl.geodesic(self.G, self.H, *self.split(u), self.metric, self.eps,
+                             self.manifold.steps)
+        return _join(yG, yH, self.x0.dtype)
+
+    def metric_sqrt_inv(self, z: torch.Tensor) -> torch.Tensor:
+        r"""inv: $(z_G L_P^\top, z_H L_Q^\top)$; mix: with $Q^{-1}$, $P^{-1}$."""
+        LG, LH = self._sampler
+        zG, zH = self.split(z)
+        return _join(zG @ transpose(LG).to(z.dtype), zH @ transpose(LH).to(z.dtype), z.dtype)
+
+    def horizontal_residual(self, u: torch.Tensor) -> torch.Tensor:
+        """The `h×h` matrix (float64) that vanishes exactly on horizontal vectors."""
+        uG, uH = self.split(u)
+        if self.sub is None:
+            return gl.horizontal_residual(self.G, self.H, uG, uH, self.grams, self.metric)
+        return subgroup.horizontal_residual(self.G, self.H, uG, uH, self.grams, self.metric,
+                                               self.sub)
+
+
+def _cg(A, b: torch.Tensor, d: torch.Tensor, *, tol: float, max_iter: int) -> torch.Tensor:
+    """Batched preconditioned conjugate gradients for `A(Y) = b` over `(..., h, h)` matrices.
+
+    `A` is symmetric positive definite on the span of `b`; `d` is a positive diagonal
+    preconditioner. Stops when every block's relative residual is below `tol` or when the
+    largest one has not decreased for 50 iterations.
+    """
+
+    def dot(x, y):
+        return (x * y).sum((-2, -1), keepdim=True)
+
+    bnorm = b.norm(dim=(-2, -1), keepdim=True)
+    safe = torch.where(bnorm > 0, bnorm, 1.0)
+    Y = torch.zeros_like(b)
+    r = b.clone()
+    z = r / d
+    p = z.clone()
+    rz = dot(r, z)
+    best, stall = float("inf"), 0
+    for _ in range(max_iter):
+        Ap = A(p)
+        pAp = dot(p, Ap)
+        alpha = torch.where(pAp > 0, rz / torch.where(pAp > 0, pAp, 1.0), 0.0)
+        Y = Y + alpha * p
+        r = r - alpha * Ap
+        rel = float((r.norm(dim=(-2, -1), keepdim=True) / safe).max()) if r.numel() else 0.0
+        if rel < tol:
+            break
+        if rel < best:
+            best, stall = rel, 0
+        else:
+            stall += 1
+            if stall >= 50:
+                break
+        z = r / d
+        rz_new = dot(r, z)
+        beta = torch.where(rz > 0, rz_new / torch.where(rz > 0, rz, 1.0), 0.0)
+        p = z + beta * p
+        rz = rz_new
+    return Y
 
 
 class GLQuotient(QuotientManifold):
@@ -45,9 +248,16 @@ class GLQuotient(QuotientManifold):
         ``O((‖u‖/steps)⁴)``; see ``docs/benchmarks.md`` for measured values.
     validate : bool
         Check shapes and finiteness of inputs (one host sync per call).
+    subalgebra : Subalgebra, optional
+        Quotient by the connected subgroup $\exp(\mathfrak k)$ of GL(h) instead of GL(h):
+        the vertical space is $\{(GX, -HX^\top) : X \in \mathfrak k\}$, the metric and
+        $\Gamma$ are unchanged. `None` (default) is the full GL(h).
 
     Notes
     -----
+    Every operation at a point runs through its tangent space, `M.at(x)`
+    ([`GLTangentSpace`][quotient_manifolds.manifolds.gl_quotient.GLTangentSpace]).
+
     * :meth:`proju` is the metric-orthogonal projection onto the horizontal
       space (§5.3.5): closed form for ``mix``; for ``inv`` the corrected
       Sylvester equation ``AΩ + ΩA = B``, ``A = PQ``, solved in the
@@ -70,6 +280,7 @@ class GLQuotient(QuotientManifold):
         *,
         steps: int = 8,
         validate: bool = True,
+        subalgebra=None,
     ) -> None:
         super().__init__(retraction, validate)
         if metric not in gl.METRICS:
@@ -84,11 +295,13 @@ class GLQuotient(QuotientManifold):
         self.metric = metric
         self.eps = float(eps)
         self.steps = int(steps)
+        self.subalgebra = subalgebra
 
     def extra_repr(self) -> str:
         return (
             f"n={self.n}, m={self.m}, metric={self.metric!r}, eps={self.eps:g}, "
-            f"{super().extra_repr()}"
+            + ("" if self.subalgebra is None else f"subalgebra={self.subalgebra!r}, ")
+            + f"{super().extra_repr()}"
         )
 
     # -- packing ---------------------------------------------------------------
@@ -152,11 +365,14 @@ class GLQuotient(QuotientManifold):
     def _check_vector_on_tangent(
         self, x: torch.Tensor, u: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
     ) -> tuple[bool, str | None]:
-        G, H = self.split(x)
-        uG, uH = self.split(u)
-        gr = gl.grams(G, H, self.eps)
-        res = gl.horizontal_residual(G, H, uG, uH, gr, self.metric)
-        scale = gl.horizontal_residual_scale(G, H, uG, uH, gr, self.metric)
+        ts = GLTangentSpace(self, x)
+        uG, uH = ts.split(u)
+        res = ts.horizontal_residual(u)
+        if self.subalgebra is None:
+            scale = gl.horizontal_residual_scale(ts.G, ts.H, uG, uH, ts.grams, self.metric)
+        else:
+            scale = subgroup.horizontal_residual_scale(ts.G, ts.H, uG, uH, ts.grams, self.metric,
+                                                       self.subalgebra)
         if not bool((res.abs() <= atol + rtol * scale).all()):
             return False, (
                 f"vector is not horizontal: the {self.metric} horizontal condition "
@@ -164,75 +380,19 @@ class GLQuotient(QuotientManifold):
             )
         return True, None
 
-    # -- geometry -------------------------------------------------------------
-    def _prepare(self, x: torch.Tensor, *vectors: torch.Tensor | None):
+    # -- tangent spaces ----------------------------------------------------------
+    def at(self, x: torch.Tensor) -> GLTangentSpace:
+        """The tangent space at `x` (`(…, n + m, h)`), with its Gram matrices computed once."""
+        return self._at(x)
+
+    def _at(self, x: torch.Tensor, *vectors: torch.Tensor | None) -> GLTangentSpace:
         if self.validate:
             self._assert_shapes(x=x, **{f"u{i}": v for i, v in enumerate(vectors)})
-        self._check_inputs(x, *vectors)
-        G, H = self.split(x)
-        return G, H, gl.grams(G, H, self.eps)
-
-    def inner(
-        self,
-        x: torch.Tensor,
-        u: torch.Tensor,
-        v: torch.Tensor | None = None,
-        *,
-        keepdim: bool = False,
-    ) -> torch.Tensor:
-        r"""The metric ``⟨u, v⟩_x`` (Eq. 9 or 10), one value per block."""
-        G, H, gr = self._prepare(x, u, v)
-        uG, uH = self.split(u)
-        vG, vH = (uG, uH) if v is None else self.split(v)
-        out = gl.inner(G, H, uG, uH, vG, vH, gr, self.metric).to(u.dtype)
-        if keepdim:
-            out = out[..., None, None]
-        return out
-
-    def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""Metric-orthogonal horizontal projection ``(u_G + GΛ, u_H − HΛᵀ)`` (§5.3.5)."""
-        G, H, gr = self._prepare(x, u)
-        pG, pH = gl.project(G, H, *self.split(u), gr, self.metric)
-        return self._join(pG, pH, u.dtype)
-
-    def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        r"""Horizontal Riemannian gradient of a Euclidean gradient ``u`` (§5.3.6).
-
-        inv: ``Π(∇_G P, ∇_H Q)``; mix: ``Π(∇_G Q⁻¹, ∇_H P⁻¹)``.
-        """
-        G, H, gr = self._prepare(x, u)
-        rG, rH = gl.egrad2rgrad(*self.split(u), gr, self.metric)
-        pG, pH = gl.project(G, H, rG, rH, gr, self.metric)
-        return self._join(pG, pH, u.dtype)
-
-    def christoffel(
-        self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        r"""``Γ_x(u, v)`` (Eq. 11/12, polarised); ``Γ_x(u, u)`` if ``v`` is omitted."""
-        G, H, gr = self._prepare(x, u, v)
-        uG, uH = self.split(u)
-        vG, vH = (None, None) if v is None else self.split(v)
-        cG, cH = gl.christoffel(G, H, uG, uH, vG, vH, gr, self.metric)
-        return self._join(cG, cH, u.dtype)
-
-    def _acceleration(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        G, H = self.split(x)
-        uG, uH = self.split(u)
-        gr = gl.grams(G, H, self.eps)
-        cG, cH = gl.christoffel(G, H, uG, uH, None, None, gr, self.metric)
-        return -self._join(cG, cH, x.dtype)
-
-    def _geodesic(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """RK4 in the ``2h``-dim span of ``[F, u_F]`` (:func:`~..geometry.gl.geodesic`).
-
-        Equal, to rounding, to RK4 on ``(γ, γ̇)`` in the full space with :meth:`_acceleration`
-        (``O(h³)`` instead of ``O(n h²)`` per stage, no host sync).
-        """
-        self._prepare(x, u)
-        G, H = self.split(x)
-        uG, uH = self.split(u)
-        yG, yH = gl.geodesic(G, H, uG, uH, self.metric, self.eps, self.steps)
-        return self._join(yG, yH, x.dtype)
+            self._check_inputs(x, *vectors)
+        if self.subalgebra is not None and self.subalgebra.h != x.shape[-1]:
+            raise ShapeError(f"the subalgebra acts on h = {self.subalgebra.h}, but the point "
+                             f"has h = {x.shape[-1]}")
+        return GLTangentSpace(self, x)
 
     # -- group structure --------------------------------------------------------
     def vertical(self, x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@ Imports only from :mod:`quotient_manifolds.manifolds`, ``geometry`` and ``errors
 """
 
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block
+from .config import Geometry
 from .discovery import Fallback, discover, discover_blocks
-from .model_geometry import ModelGeometry
+from .model_geometry import ModelGeometry, select_parameters
 from .reparam import reparametrize
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "BlockSpec",
     "FactorPart",
     "Fallback",
+    "Geometry",
     "ModelGeometry",
     "declare_block",
     "discover",
@@ -20,4 +22,5 @@ __all__ = [
     "gather_block",
     "reparametrize",
     "scatter_block",
+    "select_parameters",
 ]

@@ -99,9 +99,13 @@ class FactorPart:
         value = value.to(t.dtype)
         if self.layout == "rows":
             v = value.transpose(-1, -2).reshape(heads * h, t.shape[1])
+            if self.offset == 0 and heads * h == t.shape[0]:  # the whole tensor: no copy of t
+                return v
             return t.slice_scatter(v, 0, self.offset, self.offset + heads * h)
         if self.layout == "cols":
             v = value.permute(1, 0, 2).reshape(t.shape[0], heads * h)
+            if self.offset == 0 and heads * h == t.shape[1]:
+                return v
             return t.slice_scatter(v, 1, self.offset, self.offset + heads * h)
         k = heads * h if self.layout == "bias" else heads
         flat = t.reshape(-1).slice_scatter(value.reshape(k), 0, self.offset, self.offset + k)

@@ -252,13 +252,18 @@ class _Finder:
 
 
 def discover(
-    model: nn.Module, *, declared: Iterable[BlockSpec] = (), warn: bool = True
+    model: nn.Module, *, symmetry: str = "full", declared: Iterable[BlockSpec] = (),
+    warn: bool = True
 ) -> tuple[list[BlockSpec], list[Fallback]]:
     """Blocks and fallbacks of ``model``; declared blocks are appended and validated.
 
+    ``symmetry`` is ``"full"`` (every symmetry the library recognises) or ``"paper"`` (GL(h)
+    per recognised head, the paper's measure); today both find the same blocks.
     Emits one :class:`SymmetryFallbackWarning` if any weights fall back, and a
     :class:`NoBlocksWarning` if no block is found at all (when ``warn``).
     """
+    if symmetry not in ("full", "paper"):
+        raise ValueError(f"symmetry must be 'full' or 'paper', got {symmetry!r}")
     f = _Finder(model)
     f.run()
     params = dict(model.named_parameters())

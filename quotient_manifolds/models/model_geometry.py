@@ -1,73 +1,153 @@
-r"""The quotient geometry of a whole model: GL blocks batched by shape, plus adaptive weights.
+r"""The quotient geometry of a whole model: a product of tangent spaces plus gather/scatter.
 
-:class:`ModelGeometry` gathers every discovered (or declared) block of a model
-into one ``(B, n + m, h)`` tensor per block shape — e.g. all QK heads of all
-layers of a BERT — so that horizontal projections, Christoffel terms and norms
-are single batched kernel calls (no Python loop over heads).  Every parameter
-entry that no block claims belongs to one flat vector with the elementwise
-adaptive metric ``ξ²/(w² + ε)`` (spec §6.6, §7.3).
+[`ModelGeometry`][quotient_manifolds.models.model_geometry.ModelGeometry] reads the model's
+parameters once (detached, not copied) and splits the selected ones into
 
-A tangent vector ``ξ`` is a list ``[ξ_1, …, ξ_K, ξ_w]``: one tensor per block
-group (shaped like its base point) and the flat adaptive part.  The total norm
-is spec §7.3:
+* GL(h) blocks, batched by shape `(n, m, h)` (and subgroup) into one `(B, n + m, h)` point per
+  group — e.g. all QK heads of all layers of a BERT — with the tangent space
+  `GLQuotient(n, m, metric, …).at(x0)`;
+* one flat vector of every other selected entry, with the tangent space
+  `AdaptiveEuclidean(adaptive_eps).at(w0)` (the metric $\xi^2/(w^2 + \varepsilon)$).
 
-.. math::
+Its `space` is the
+[`ProductTangentSpace`][quotient_manifolds.manifolds.product.ProductTangentSpace] of these, on
+flat packed tangent vectors of shape `(D,)`; all metric, projection and retraction formulas live
+in the tangent spaces. This class only maps between the model's parameters and the packed
+points: [`gather`][quotient_manifolds.models.model_geometry.ModelGeometry.gather] and
+[`to_params`][quotient_manifolds.models.model_geometry.ModelGeometry.to_params].
 
-    ‖ξ‖² = Σ_{groups} Σ_{heads} ‖(ξ_G, ξ_H)‖²_{inv/mix} + ‖ξ_w ⊘ \sqrt{w² + ε}‖²_2 .
+**Which weights move.** `params=` selects the perturbed parameters (default: those with
+`requires_grad=True`). A GL block is used only if all its parameters are selected; otherwise its
+selected entries fall back to the adaptive geometry, with the reason recorded. Unselected
+parameters keep their values.
 
-All geometric objects are evaluated at the fixed base point ``w⁽⁰⁾``; its Gram
-matrices, inverses and (for ``inv``) the Sylvester eigenbasis are computed once
-in the constructor.
+**Canonical base point.** The symmetries may come with a canonicalisation
+(`symmetries.canonicalize(params) -> (params, frozen masks)`): the base point is then the
+canonical representative of the model's orbit, and frozen entries never move. The model itself
+is never written to.
 
-Zero weights.  With ``adaptive_eps = 0`` the adaptive metric is undefined at
-``w = 0``; such entries are excluded from the flat vector and never move (the
-reference code behaves the same way, since its perturbation is ``δ ⊙ |w|``).
+**Zero weights.** With `adaptive_eps = 0` the adaptive metric is infinite at $w = 0$; such
+entries never move (the adaptive tangent space freezes them; the reference code behaves the same
+way, since its perturbation is $\delta \odot |w|$). `n_masked_zeros` counts them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+import difflib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
-from ..errors import BlockSpecError, PrecisionError, RankDeficientError, ZeroWeightError
-from ..geometry import adaptive as am
-from ..geometry import gl
-from ..geometry.linalg import transpose
+from ..errors import (
+    BlockSpecError,
+    NoParametersError,
+    ParameterSelectionError,
+    PrecisionError,
+    RankDeficientError,
+    ZeroWeightError,
+)
 from ..manifolds import AdaptiveEuclidean, GLQuotient
+from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
+from .config import Geometry
 from .discovery import Fallback, discover
 
-__all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "HALF_DTYPES"]
+__all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "HALF_DTYPES", "ParamSelection",
+           "select_parameters"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-RETRACTIONS = ("first_order", "second_order", "exact")
+
+ParamSelection = (Iterable[str] | Iterable[torch.Tensor] | Mapping[str, torch.Tensor]
+                  | Callable[[str, torch.Tensor], bool] | None)
+
+
+def select_parameters(model: nn.Module, params: ParamSelection = None) -> tuple[str, ...]:
+    """The names of the parameters selected by `params`, in `model.named_parameters()` order.
+
+    `params` is `None` (every parameter with `requires_grad=True`), an iterable of names or of
+    parameter tensors, a dict `{name: parameter}`, or a predicate `(name, param) -> bool`.
+    """
+    named = dict(model.named_parameters())
+    if not named:
+        raise NoParametersError(
+            f"{type(model).__name__} has no parameters: there is nothing to perturb; pass a "
+            "model with nn.Parameter weights"
+        )
+    if params is None:
+        chosen = {n for n, p in named.items() if p.requires_grad}
+        what = "no parameter has requires_grad=True"
+    elif callable(params) and not isinstance(params, nn.Module):
+        chosen = {n for n, p in named.items() if params(n, p)}
+        what = "the params= predicate selects no parameter"
+    elif isinstance(params, (str, torch.Tensor)):
+        raise ParameterSelectionError(
+            "params= takes several parameters: wrap a single name or tensor in a list, e.g. "
+            f"params=[{params!r}]" if isinstance(params, str) else
+            "params= takes several parameters: wrap a single tensor in a list")
+    else:
+        items = list(params.items()) if isinstance(params, Mapping) else list(params)
+        by_id = {id(p): n for n, p in named.items()}
+        chosen = set()
+        for it in items:
+            if isinstance(it, tuple) and len(it) == 2 and isinstance(it[0], str):
+                name, t = it
+                if name not in named or named[name] is not t:
+                    raise ParameterSelectionError(
+                        f"params[{name!r}] is not the model's parameter of that name; pass "
+                        "dict(model.named_parameters()) entries")
+            elif isinstance(it, str):
+                name = it
+            elif isinstance(it, torch.Tensor):
+                name = by_id.get(id(it))
+                if name is None:
+                    raise ParameterSelectionError(
+                        "params= holds a tensor that is not a parameter of the model")
+            else:
+                raise ParameterSelectionError(
+                    f"params= entries must be names, parameters or (name, parameter) pairs, got "
+                    f"{type(it).__name__}")
+            if name not in named:
+                close = difflib.get_close_matches(name, list(named), n=3)
+                hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+                raise ParameterSelectionError(
+                    f"params= names {name!r}, which is not in model.named_parameters(){hint}")
+            chosen.add(name)
+        what = "params= is empty"
+    if not chosen:
+        raise NoParametersError(f"no parameter of {type(model).__name__} is selected ({what}); "
+                                "pass params= naming the parameters to perturb")
+    return tuple(n for n in named if n in chosen)
 
 
 @dataclass
 class BlockGroup:
-    """All blocks of one shape ``(n, m, h)``, batched along dim 0."""
+    """All blocks of one shape `(n, m, h)` (and subgroup), batched along dim 0."""
 
     n: int
     m: int
     h: int
     blocks: list[BlockSpec]
     manifold: GLQuotient
-    x0: torch.Tensor
-    grams: gl.Grams
-    basis: gl.SylvesterBasis | None = None
-    chol: dict = field(default_factory=dict)
-    c2: torch.Tensor | None = None  # w² + ε of the block entries (ball_norm="adaptive")
+    space: object  # GLTangentSpace
+
+    @property
+    def x0(self) -> torch.Tensor:
+        return self.space.x0
 
     @property
     def G(self) -> torch.Tensor:
-        return self.x0[:, : self.n]
+        return self.space.G
 
     @property
     def H(self) -> torch.Tensor:
-        return self.x0[:, self.n :]
+        return self.space.H
+
+    @property
+    def grams(self):
+        return self.space.grams
 
 
 @dataclass
@@ -80,100 +160,117 @@ class AdaptiveEntry:
     index: torch.Tensor | None  # None: the whole parameter is free
 
 
+class _Discovered:
+    """Blocks and fallbacks without canonicalisation (what `discover` returns as a pair)."""
+
+    def __init__(self, blocks: Sequence[BlockSpec], fallbacks: Sequence[Fallback]) -> None:
+        self.blocks = tuple(blocks)
+        self.fallbacks = tuple(fallbacks)
+
+    def canonicalize(self, params: Mapping[str, torch.Tensor]):
+        return dict(params), {}
+
+
+def _symmetries(res) -> object:
+    if isinstance(res, tuple):
+        return _Discovered(*res)
+    return res
+
+
 class ModelGeometry:
     r"""Quotient geometry of a model at its current weights (the base point).
 
     Parameters
     ----------
     model : nn.Module
-        The model; only read (its weights are cloned).
-    metric : {"inv", "mix"}
-        Metric of the GL blocks (Eq. 9 / 10).
-    eps : float
-        Gram relaxation of the GL blocks (spec §5.3.1).
-    retraction : {"first_order", "second_order", "exact"}
-        Perturbation of the GL blocks: ``w + ξ``, ``w + ξ − ½Γ_w(ξ, ξ)`` (Eq. 5,
-        the paper's choice) or the RK4 geodesic.
-    adaptive_eps : float
-        ``ε`` of the adaptive metric ``ξ²/(w² + ε)`` of all other weights.
-    adaptive_retraction : {"first_order", "second_order", "exact"}
-        Perturbation of all other weights; first order by default (as in the paper).
-    blocks : sequence of BlockSpec, optional
-        Use exactly these blocks instead of discovering them (``[]``: none).
-    declared : iterable of BlockSpec
-        Extra user blocks (:func:`~quotient_manifolds.models.blocks.declare_block`).
-    allow_half : bool
-        Accept float16/bfloat16 models; tangent vectors and all block algebra
-        then run in float32.  Otherwise :class:`PrecisionError` is raised.
+        The model; only read (its parameters are detached, not copied).
+    geometry : Geometry
+        Metric, symmetries, retractions, relaxations and ball.
+    params : names, tensors, dict or predicate, optional
+        The perturbed parameters
+        ([`select_parameters`][quotient_manifolds.models.model_geometry.select_parameters];
+        default: those with `requires_grad=True`).
+    symmetries : object, optional
+        The model's symmetries (`blocks`, `fallbacks`, `canonicalize`), e.g. from
+        `discover(model)`; discovered when omitted (ignored if `geometry.blocks` is given).
     warn : bool
         Emit the discovery warnings.
-    ball_norm : {"metric", "adaptive"}
-        Norm of the perturbation ball and of the step normalisation.  ``"metric"``
-        (default) is spec §7.3; ``"adaptive"`` is the App. G ablation (a): every
-        entry, GL blocks included, is measured by ``‖ξ ⊘ \sqrt{w² + ε}‖₂`` while ξ stays
-        horizontal for the block metric (a block entry with ``w = 0`` and ``ε = 0``
-        raises :class:`ZeroWeightError`).
-    exact_steps : int
-        RK4 steps of the exact retraction of the GL blocks (``GLQuotient(steps=…)``);
-        the error is ``≲ 1.4e-3 (‖ξ‖/steps)⁴`` (``docs/benchmarks.md``).
+
+    Attributes
+    ----------
+    space : ProductTangentSpace
+        The tangent space of the selected weights: the block groups, then the adaptive part.
+    kinds : list of str
+        The retraction of each factor of `space`.
+    groups : list of BlockGroup
+        The GL block groups.
+    base : dict
+        Every parameter at the base point (detached; canonical if the symmetries fold).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        metric: str = "inv",
+        geometry: Geometry | None = None,
         *,
-        eps: float = 0.0,
-        retraction: str = "second_order",
-        adaptive_eps: float = 0.0,
-        adaptive_retraction: str = "first_order",
-        blocks: Sequence[BlockSpec] | None = None,
-        declared: Iterable[BlockSpec] = (),
-        allow_half: bool = False,
+        params: ParamSelection = None,
+        symmetries=None,
         warn: bool = True,
-        ball_norm: str = "metric",
-        exact_steps: int = 8,
     ) -> None:
-        if metric not in gl.METRICS:
-            raise ValueError(f"metric must be one of {gl.METRICS}, got {metric!r}")
-        for r in (retraction, adaptive_retraction):
-            if r not in RETRACTIONS:
-                raise ValueError(f"retraction must be one of {RETRACTIONS}, got {r!r}")
-        if ball_norm not in ("metric", "adaptive"):
-            raise ValueError(f"ball_norm must be 'metric' or 'adaptive', got {ball_norm!r}")
-        self.ball_norm = ball_norm
-        self.exact_steps = int(exact_steps)
-        if eps < 0 or adaptive_eps < 0:
-            raise ValueError("eps and adaptive_eps must be non-negative")
-        self.metric, self.eps, self.retraction = metric, float(eps), retraction
-        self.adaptive_eps, self.adaptive_retraction = float(adaptive_eps), adaptive_retraction
-        self.base: dict[str, torch.Tensor] = {
-            n: p.detach().clone() for n, p in model.named_parameters()
-        }
-        floats = [t.dtype for t in self.base.values() if t.is_floating_point()]
+        geometry = Geometry() if geometry is None else geometry
+        if not isinstance(geometry, Geometry):
+            raise TypeError(f"geometry must be a Geometry, got {geometry!r}; e.g. "
+                            f"ModelGeometry(model, Geometry(metric={geometry!r}))")
+        self.geometry = g = geometry
+        self.selected = select_parameters(model, params)
+        raw = {n: p.detach() for n, p in model.named_parameters()}
+        floats = [raw[n].dtype for n in self.selected if raw[n].is_floating_point()]
         half = [d for d in floats if d in HALF_DTYPES]
-        if half and not allow_half:
+        if half and g.half != "float32":
             raise PrecisionError(
                 f"the model has {half[0]} parameters; the h×h block algebra must not run in "
                 "half precision. Convert it with model.float() (or .double()), or pass "
-                "allow_half=True to keep the model in half precision and run the block "
-                "algebra and perturbations in float32."
+                "geometry=Geometry(half='float32') to keep the model in half "
+                "precision and run the block algebra and perturbations in float32."
             )
         self.dtype = torch.float64 if floats and all(d == torch.float64 for d in floats) else (
             torch.float32)
-        if blocks is None:
-            self.blocks, self.fallbacks = discover(model, declared=declared, warn=warn)
+        if g.metric is None:
+            sym = _Discovered((), ())
+        elif g.blocks is not None:
+            sym = _Discovered([b.resolved(raw) for b in list(g.blocks) + list(g.declared)], ())
+        elif symmetries is not None:
+            sym = _symmetries(symmetries)
         else:
-            self.blocks = [b.resolved(self.base) for b in list(blocks) + list(declared)]
-            self.fallbacks: list[Fallback] = []
+            sym = _symmetries(discover(model, symmetry=g.symmetry, declared=g.declared,
+                                       warn=warn))
+        self.symmetries = sym
+        self.base, self.frozen = sym.canonicalize(raw)
+        self.base = {n: t.detach() for n, t in self.base.items()}
+        self.blocks, self.fallbacks = self._select_blocks(list(sym.blocks), list(sym.fallbacks))
         self._check_overlap()
         self.groups = self._build_groups()
         self._build_adaptive()
-        if ball_norm == "adaptive":
-            for g in self.groups:
-                self._block_c2(g)  # fail early on zero block entries
+        spaces = [grp.space for grp in self.groups] + [self.adaptive_space]
+        labels = ["blocks"] * len(self.groups) + ["adaptive"]
+        self.kinds = [g.retraction] * len(self.groups) + [g.adaptive_retraction]
+        self.space = ProductTangentSpace(spaces, (), labels, self.kinds)
 
     # -- construction -----------------------------------------------------
+    def _select_blocks(self, blocks: list[BlockSpec], fallbacks: list[Fallback]):
+        chosen = set(self.selected)
+        keep = []
+        for b in blocks:
+            missing = [p for p in b.params if p not in chosen]
+            if missing:
+                fallbacks.append(Fallback(
+                    b.module, b.kind,
+                    f"parameters {', '.join(missing)} are not perturbed (params= / "
+                    "requires_grad); the block's selected entries use the adaptive geometry"))
+            else:
+                keep.append(b)
+        return keep, fallbacks
+
     def _check_overlap(self) -> None:
         seen: dict[str, torch.Tensor] = {}
         for b in self.blocks:
@@ -188,31 +285,30 @@ class ModelGeometry:
         self.claimed = seen
 
     def _build_groups(self) -> list[BlockGroup]:
-        by_shape: dict[tuple[int, int, int], list[BlockSpec]] = {}
+        g = self.geometry
+        by_shape: dict[tuple, list[BlockSpec]] = {}
         for b in self.blocks:
-            by_shape.setdefault((b.n, b.m, b.h), []).append(b)
+            by_shape.setdefault((b.n, b.m, b.h, getattr(b, "group", None)), []).append(b)
         groups = []
-        for (n, m, h), blocks in by_shape.items():
+        for (n, m, h, sub), blocks in by_shape.items():
             x0 = torch.cat([gather_block(b, self.base).to(self.dtype) for b in blocks])
-            man = GLQuotient(n, m, self.metric, self.eps, self.retraction, validate=False,
-                             steps=self.exact_steps)
-            G, H = x0[:, :n], x0[:, n:]
+            man = GLQuotient(n, m, g.metric, g.eps, g.retraction, validate=False,
+                             steps=g.exact_steps, subalgebra=sub)
             try:
-                grams = gl.grams(G, H, self.eps)
+                space = man.at(x0)
             except RankDeficientError as e:
                 raise RankDeficientError(self._name_rank_deficient(blocks, str(e))) from None
-            need = self.metric == "inv" or self.eps > 0
-            basis = gl.sylvester_basis(grams, self.metric) if need else None
-            groups.append(BlockGroup(n, m, h, blocks, man, x0, grams, basis))
+            groups.append(BlockGroup(n, m, h, blocks, man, space))
         return groups
 
     def _name_rank_deficient(self, blocks: list[BlockSpec], msg: str) -> str:
         bad = []
         for b in blocks:
             x = gather_block(b, self.base).to(self.dtype)
+            man = GLQuotient(b.n, b.m, self.geometry.metric, self.geometry.eps, validate=False)
             for i in range(b.heads):
                 try:
-                    gl.grams(x[i : i + 1, : b.n], x[i : i + 1, b.n :], self.eps)
+                    man.at(x[i : i + 1])
                 except RankDeficientError:
                     bad.append(f"{b.kind} at {b.module!r} head {i}")
         where = ", ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
@@ -223,17 +319,23 @@ class ModelGeometry:
         return next(iter(self.base.values())).device if self.base else torch.empty(0).device
 
     def _build_adaptive(self) -> None:
+        g = self.geometry
         entries, pieces, start, masked = [], [], 0, 0
-        for name, w in self.base.items():
+        for name in self.selected:
+            w = self.base[name]
             if not w.is_floating_point():
                 continue
             free = ~self.claimed[name] if name in self.claimed else None
-            if self.adaptive_eps == 0:
+            fz = self.frozen.get(name)
+            if fz is not None:
+                free = ~fz if free is None else free & ~fz
+            if g.adaptive_eps == 0:
                 # w² must be positive, not only w: tiny float32 weights (|w| < 1e-22)
-                # square to 0, which would make ξ²/w² a 0/0 (seen in all-MiniLM-L6-v2).
-                nz = am.scale2(w.to(self.dtype), 0.0) > 0
-                masked += int((~nz if free is None else (~nz & free)).sum())
-                free = nz if free is None else free & nz
+                # square to 0 (seen in all-MiniLM-L6-v2). Such entries stay in the flat
+                # vector, frozen by the adaptive tangent space (c² = 0: they never move).
+                wd = w.to(self.dtype)
+                zero = wd * wd == 0
+                masked += int((zero if free is None else (zero & free)).sum())
             if free is None or bool(free.all()):
                 idx, vals = None, w.reshape(-1)
             elif bool(free.any()):
@@ -247,179 +349,76 @@ class ModelGeometry:
         self.entries = entries
         self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype,
                                                                device=self._device())
-        self.c2 = am.scale2(self.w0, self.adaptive_eps)
         self.n_masked_zeros = masked
-        self.adaptive = AdaptiveEuclidean(self.adaptive_eps, self.adaptive_retraction,
-                                          ndim=1, validate=False)
+        self.adaptive = AdaptiveEuclidean(g.adaptive_eps, g.adaptive_retraction, ndim=1,
+                                          validate=False)
+        self.adaptive_space = self.adaptive.at(self.w0)
+        self._point_buffer: torch.Tensor | None = None
 
-    # -- tangent vectors ----------------------------------------------------
+    # -- packed vectors ---------------------------------------------------------
+    @property
+    def D(self) -> int:
+        """Length of a packed tangent vector."""
+        return self.space.D
+
+    @property
+    def c2(self) -> torch.Tensor:
+        r"""$w^2 + \varepsilon$ of the adaptive entries."""
+        return self.adaptive_space.c2
+
     @property
     def base_points(self) -> list[torch.Tensor]:
-        """``[x0_1, …, x0_K, w0]``: the base point in the tangent-list layout."""
-        return [g.x0 for g in self.groups] + [self.w0]
+        """The base points of the factors of `space`: `[x0_1, …, x0_K, w0]`."""
+        return self.space.points()
 
-    @property
-    def manifolds(self) -> list:
-        """The manifold of each entry of a tangent list."""
-        return [g.manifold for g in self.groups] + [self.adaptive]
+    def zeros(self) -> torch.Tensor:
+        """The zero tangent vector `(D,)`."""
+        return self.space.zeros()
 
-    def zeros(self) -> list[torch.Tensor]:
-        """The zero tangent vector."""
-        return [torch.zeros_like(x) for x in self.base_points]
-
-    def inner(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Total metric ``⟨u, v⟩`` (spec §7.3), a 0-d tensor."""
-        total = (u[-1] * v[-1] / self.c2).sum()
-        for g, a, b in zip(self.groups, u, v, strict=False):
-            aG, aH, bG, bH = a[:, : g.n], a[:, g.n :], b[:, : g.n], b[:, g.n :]
-            total = total + gl.inner(g.G, g.H, aG, aH, bG, bH, g.grams, self.metric).sum()
-        return total
-
-    def norm(self, u: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Total Riemannian norm ``‖u‖``."""
-        return self.inner(u, u).clamp_min(0).sqrt()
-
-    def ball_norm_of(self, u: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The norm that defines the perturbation ball (see ``ball_norm``)."""
-        if self.ball_norm == "metric":
-            return self.norm(u)
-        total = (u[-1] ** 2 / self.c2).sum()
-        for g, a in zip(self.groups, u, strict=False):
-            total = total + (a**2 / self._block_c2(g)).sum()
-        return total.clamp_min(0).sqrt()
-
-    def _block_c2(self, g: BlockGroup) -> torch.Tensor:
-        if g.c2 is None:
-            c2 = g.x0.to(self.dtype) ** 2 + self.adaptive_eps
+    @cached_property
+    def _w2(self) -> torch.Tensor:
+        parts = []
+        for grp in self.groups:
+            c2 = grp.x0**2 + self.geometry.adaptive_eps
             if bool((c2 == 0).any()):
-                names = sorted({p for b in g.blocks for p in b.params})[:4]
+                names = sorted({p for b in grp.blocks for p in b.params})[:4]
                 raise ZeroWeightError(
-                    f"ball_norm='adaptive' measures GL-block entries by ξ/|w|, but blocks with "
-                    f"parameters {names} have zero entries (often untrained biases); pass "
-                    f"adaptive_eps > 0 to use ξ²/(w² + ε)"
+                    f"the adaptive-norm ball measures GL-block entries by ξ/|w|, but blocks with "
+                    f"parameters {names} have zero entries (often untrained biases); use "
+                    "Geometry(adaptive_eps > 0) for ξ²/(w² + ε)"
                 )
-            g.c2 = c2
-        return g.c2
+            parts.append(c2)
+        return self.space.join(parts + [self.c2])
 
-    def norms(self, u: Sequence[torch.Tensor]) -> dict[str, float]:
-        """Norm of the block part, the adaptive part and the total (in the ball norm)."""
-        if self.ball_norm == "adaptive":
-            blocks = sum(((a**2 / self._block_c2(g)).sum()
-                          for g, a in zip(self.groups, u, strict=False)),
-                         torch.zeros((), dtype=self.dtype))
-        else:
-            blocks = sum((self._group_sq(g, a) for g, a in zip(self.groups, u, strict=False)),
-                         torch.zeros((), dtype=self.dtype))
-        ad = (u[-1] ** 2 / self.c2).sum()
-        return {"blocks": float(blocks.sqrt()), "adaptive": float(ad.sqrt()),
-                "total": float((blocks + ad).sqrt())}
+    def w2(self) -> torch.Tensor:
+        r"""$c^2 = w^2 + \varepsilon$ (`adaptive_eps`) of every entry, packed `(D,)`.
 
-    def _group_sq(self, g: BlockGroup, a: torch.Tensor) -> torch.Tensor:
-        aG, aH = a[:, : g.n], a[:, g.n :]
-        return gl.inner(g.G, g.H, aG, aH, aG, aH, g.grams, self.metric).sum()
-
-    def proj(self, u: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Per-block metric-orthogonal horizontal projection Π (identity on ``ξ_w``)."""
-        out = []
-        for g, a in zip(self.groups, u, strict=False):
-            pG, pH = gl.project(g.G, g.H, a[:, : g.n], a[:, g.n :], g.grams, self.metric,
-                                g.basis)
-            out.append(torch.cat([pG, pH], dim=-2))
-        return out + [u[-1]]
-
-    def rgrad(self, egrad: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        r"""Horizontal Riemannian gradient: ``Π(∇_G P, ∇_H Q)`` (inv) / ``Π(∇_G Q⁻¹, ∇_H P⁻¹)``
-        (mix) per block; ``(w² + ε) ⊙ ∇`` on the adaptive part (Alg. 1 lines 10, 12).
-
-        With ``ball_norm="adaptive"`` the ascent direction is the gradient of the
-        adaptive norm on every entry, ``Π((w² + ε) ⊙ ∇)``: normalising the block
-        metric's gradient by the elementwise norm instead put almost the whole budget
-        on the blocks and found 8× smaller maxima (App. G ablation (a))."""
-        if self.ball_norm == "adaptive":
-            conv = [self._block_c2(g) * e for g, e in zip(self.groups, egrad, strict=False)]
-            return self.proj(conv + [None])[:-1] + [self.c2 * egrad[-1]]
-        conv = []
-        for g, e in zip(self.groups, egrad, strict=False):
-            rG, rH = gl.egrad2rgrad(e[:, : g.n], e[:, g.n :], g.grams, self.metric)
-            conv.append(torch.cat([rG, rH], dim=-2))
-        return self.proj(conv + [None])[:-1] + [self.c2 * egrad[-1]]
-
-    def scale_to_ball(self, u: Sequence[torch.Tensor], radius: float) -> list[torch.Tensor]:
-        r"""Radial rescale ``ξ ← ξ · min(1, ρ/‖ξ‖)``."""
-        nrm = float(self.ball_norm_of(u))
-        if nrm <= radius or nrm == 0.0:
-            return list(u)
-        return [a * (radius / nrm) for a in u]
-
-    def project_ball(self, u: Sequence[torch.Tensor], radius: float) -> list[torch.Tensor]:
-        """Metric projection onto ``{ξ horizontal, ‖ξ‖ ≤ ρ}``: Π then radial rescale (§7.3)."""
-        return self.scale_to_ball(self.proj(u), radius)
-
-    def sample(self, radius: float, generator: torch.Generator | None = None) -> list[torch.Tensor]:
-        r"""Gaussian horizontal vector with covariance ``ρ²`` × inverse metric on ``H`` (§7.2).
-
-        ``z ~ N(0, I)`` mapped by a square root of the inverse metric (inv:
-        ``z_G L_Pᵀ``, ``z_H L_Qᵀ``; mix: with ``Q⁻¹``, ``P⁻¹``; adaptive:
-        ``z ⊙ √(w² + ε)``), then projected by Π.
+        Raises `ZeroWeightError` if a GL-block entry is zero and $\varepsilon = 0$.
         """
-        out = []
-        for g in self.groups:
-            if not g.chol:
-                gr = g.grams
-                a, b = (gr.P, gr.Q) if self.metric == "inv" else (gr.Q_inv, gr.P_inv)
-                # factors of the float64 Grams, cast to the tangent dtype (float32 models)
-                g.chol = {"G": torch.linalg.cholesky(a).to(self.dtype),
-                          "H": torch.linalg.cholesky(b).to(self.dtype)}
-            # drawn on the generator's device (CPU by default), then moved: the same
-            # samples whatever device the model is on
-            z = torch.randn(g.x0.shape, generator=generator, dtype=self.dtype).to(g.x0.device)
-            zG = z[:, : g.n] @ transpose(g.chol["G"])
-            zH = z[:, g.n :] @ transpose(g.chol["H"])
-            out.append(torch.cat([zG, zH], dim=-2))
-        zw = torch.randn(self.w0.shape, generator=generator, dtype=self.dtype).to(
-            self.w0.device) * self.c2.sqrt()
-        return [radius * a for a in self.proj(out + [zw])]
+        return self._w2
 
-    # -- perturbed weights ----------------------------------------------------
-    def perturbed_points(self, u: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        r"""Points reached from the base point along ``u`` by the chosen retractions.
-
-        GL blocks (second order, Eq. 5): ``x₀ + ξ − ½Γ_{x₀}(ξ, ξ)``, or the RK4 geodesic
-        (``exact``, :func:`~quotient_manifolds.geometry.gl.geodesic`, ``exact_steps``
-        steps); adaptive weights (first order): ``w + ξ_w``.  Differentiable in ``u``.
-        """
-        out = []
-        for g, a in zip(self.groups, u, strict=False):
-            if self.retraction == "first_order":
-                out.append(g.x0 + a)
-            elif self.retraction == "second_order":
-                aG, aH = a[:, : g.n], a[:, g.n :]
-                cG, cH = gl.christoffel(g.G, g.H, aG, aH, None, None, g.grams, self.metric)
-                out.append(g.x0 + a - 0.5 * torch.cat([cG, cH], dim=-2))
-            else:  # the base point's rank was checked once, in the constructor
-                yG, yH = gl.geodesic(g.G, g.H, a[:, : g.n], a[:, g.n :], self.metric, self.eps,
-                                     self.exact_steps)
-                out.append(torch.cat([yG, yH], dim=-2))
-        w, xi = self.w0, u[-1]
-        if self.adaptive_retraction == "first_order":
-            out.append(w + xi)
-        elif self.adaptive_retraction == "second_order":
-            out.append(w + xi - 0.5 * am.christoffel(w, xi, xi, self.adaptive_eps))
-        else:
-            out.append(am.geodesic(w, xi, self.adaptive_eps))
-        return out
+    # -- points and parameters ----------------------------------------------------
+    def retract(self, xi: torch.Tensor) -> list[torch.Tensor]:
+        r"""The points reached from the base point along the packed `xi`, one per factor, by the
+        geometry's retractions (GL blocks: `retraction`, e.g. Eq. 5; other weights:
+        `adaptive_retraction`). Differentiable in `xi`."""
+        return self.space.retract(xi, self.kinds)
 
     def to_params(self, points: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A full parameter dict with the given points written in (out of place).
+        """Every parameter, with the given points (one per factor) written in, out of place.
 
-        Parameters not touched keep the cloned base tensors.  Differentiable in
-        ``points``; the model's own parameters are never read or written.
+        Parameters not touched keep their (detached) base tensors. Differentiable in
+        `points`; the model's own parameters are never read or written.
         """
-        new = dict(self.base)
         # One split per tensor, not one slice per parameter: the backward of a split is a
         # single concatenation, while every slice's backward materialises a zero tensor the
         # size of the whole flat vector (quadratic in the number of parameters).
         pieces = torch.split(points[-1], [e.stop - e.start for e in self.entries])
+        return self._to_params(points[:-1], pieces)
+
+    def _to_params(self, points: Sequence[torch.Tensor], pieces: Sequence[torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+        new = dict(self.base)
         for e, piece in zip(self.entries, pieces, strict=True):
             base = self.base[e.name]
             piece = piece.to(base.dtype)
@@ -427,19 +426,58 @@ class ModelGeometry:
                 new[e.name] = piece.view(base.shape)
             else:
                 new[e.name] = base.reshape(-1).index_copy(0, e.index, piece).view(base.shape)
-        for g, x in zip(self.groups, points, strict=False):
-            for b, rows in zip(g.blocks, torch.split(x, [b.heads for b in g.blocks]), strict=True):
+        for grp, x in zip(self.groups, points, strict=False):
+            for b, rows in zip(grp.blocks, torch.split(x, [b.heads for b in grp.blocks]),
+                               strict=True):
                 scatter_block(b, rows, new)
         return new
 
-    def perturbed_params(self, u: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``to_params(perturbed_points(u))``."""
-        return self.to_params(self.perturbed_points(u))
+    def params_at(self, xi: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`to_params(retract(xi))`: the perturbed parameters."""
+        return self.to_params(self.retract(xi))
+
+    def params_and_leaves(self, xi: torch.Tensor
+                          ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        r"""The perturbed parameters at `xi` and leaf tensors whose gradients, flattened and
+        concatenated in order (`pack_grads`), are the gradient with respect to `xi`.
+
+        The leaves are the block parts of `xi` and, when the adaptive retraction is first order
+        ($w + \xi$, identity Jacobian), the perturbed adaptive entries themselves, written into
+        a buffer reused from call to call (valid until the next call): the backward pass then
+        produces the adaptive gradient directly, without copying it through $\xi$. Otherwise
+        the adaptive part of `xi` is one more leaf.
+        """
+        parts = [p.detach() for p in self.space.split(xi.detach())]
+        leaves = [p.requires_grad_() for p in parts[:-1]]
+        points = [s.retract(p, k) for s, p, k in zip(self.space.spaces[:-1], leaves,
+                                                        self.kinds[:-1], strict=True)]
+        xa = parts[-1]
+        if self.geometry.adaptive_retraction == "first_order":
+            if self._point_buffer is None or self._point_buffer.shape != xa.shape:
+                self._point_buffer = torch.empty_like(self.w0)
+            pa = torch.add(self.w0, xa, out=self._point_buffer)
+            pieces = [t.requires_grad_() for t in
+                      torch.split(pa, [e.stop - e.start for e in self.entries])]
+            leaves += pieces
+            return self._to_params(points, pieces), leaves
+        xa.requires_grad_()
+        leaves.append(xa)
+        return self.to_params(points + [self.adaptive_space.retract(xa, self.kinds[-1])]), leaves
+
+    def pack_grads(self, leaves: Sequence[torch.Tensor],
+                   grads: Sequence[torch.Tensor | None], out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The flat gradient with respect to ξ from the leaves' gradients (`None`: zero)."""
+        flat = [torch.zeros(t.numel(), dtype=t.dtype, device=t.device) if g is None
+                else g.reshape(-1) for t, g in zip(leaves, grads, strict=True)]
+        if not flat:
+            return torch.zeros(0, dtype=self.dtype, device=self.w0.device)
+        return torch.cat(flat, out=out) if out is not None else torch.cat(flat)
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-        """Points of an arbitrary parameter dict, in the tangent-list layout."""
-        out = [torch.cat([gather_block(b, params).to(self.dtype) for b in g.blocks])
-               for g in self.groups]
+        """Points of an arbitrary parameter dict, one per factor (the inverse of `to_params`)."""
+        out = [torch.cat([gather_block(b, params).to(self.dtype) for b in grp.blocks])
+               for grp in self.groups]
         pieces = [params[e.name].reshape(-1) if e.index is None
                   else params[e.name].reshape(-1)[e.index] for e in self.entries]
         out.append(torch.cat([p.to(self.dtype) for p in pieces]) if pieces
@@ -450,16 +488,12 @@ class ModelGeometry:
     def describe(self) -> dict:
         """Blocks, groups, fallbacks and adaptive sizes, JSON-friendly."""
         return {
-            "metric": self.metric,
-            "eps": self.eps,
-            "retraction": self.retraction,
-            "adaptive_eps": self.adaptive_eps,
-            "ball_norm": self.ball_norm,
-            "adaptive_retraction": self.adaptive_retraction,
+            **self.geometry.settings(),
             "blocks": [b.describe() for b in self.blocks],
-            "groups": [{"n": g.n, "m": g.m, "h": g.h, "count": int(g.x0.shape[0])}
-                       for g in self.groups],
+            "groups": [{"n": grp.n, "m": grp.m, "h": grp.h, "count": int(grp.x0.shape[0])}
+                       for grp in self.groups],
             "fallbacks": [f.to_dict() for f in self.fallbacks],
+            "perturbed_parameters": len(self.selected),
             "adaptive_entries": int(self.w0.numel()),
             "masked_zero_weights": self.n_masked_zeros,
         }

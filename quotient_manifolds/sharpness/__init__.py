@@ -1,21 +1,40 @@
-"""Sharpness layer: geodesic and adaptive sharpness, the tangent ball and Auto-PGD.
+"""Sharpness layer: feasible sets, Auto-PGD and the other solvers, the engine and the measures.
 
-Imports only from :mod:`quotient_manifolds.models` and ``manifolds``.
+Imports only from :mod:`quotient_manifolds.models` and ``manifolds``; the geometry is reached
+only through the tangent spaces ``M.at(x0)`` of the manifolds.
 """
 
 from .apgd import APGDResult, apgd, checkpoints
 from .diagonal import diagonal_sharpness
+from .distributed import Shard
 from .engine import adaptive_sharpness, geodesic_sharpness
+from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
+from .measures import MEASURES, Measure, measure
 from .result import SharpnessResult
+from .solvers import APGD, Average, FeasibleSetManifold, GeooptSolver
 from .tangent_ball import TangentBall
 
 __all__ = [
+    "APGD",
     "APGDResult",
+    "AdaptiveNormBall",
+    "Average",
+    "Box",
+    "Ellipsoid",
+    "FeasibleSet",
+    "FeasibleSetManifold",
+    "GeooptSolver",
+    "MEASURES",
+    "Measure",
+    "MetricBall",
     "SharpnessResult",
+    "Shard",
     "TangentBall",
     "adaptive_sharpness",
     "apgd",
     "checkpoints",
     "diagonal_sharpness",
     "geodesic_sharpness",
+    "make_feasible",
+    "measure",
 ]

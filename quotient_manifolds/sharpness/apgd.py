@@ -1,38 +1,44 @@
-r"""Auto-PGD for the inner maximisation (spec §8), on any feasible set.
+r"""Auto-PGD for the inner maximisation, on any feasible set and for a batch of problems.
 
-The reference settings of Andriushchenko et al. (2023) (spec §8.3): ``N = 20``
-iterations, zero initialisation, step ``η = 2ρ``, momentum ``α = 0.75`` in the
-reference form ``δ_{k+1} = δ_k + α(z_{k+1} − δ_k)``, the checkpoint schedule
-``W`` and step halving with a restart from the best iterate when
+The reference settings of Andriushchenko et al. (2023): $N = 20$ iterations, zero
+initialisation, step $\eta = 2\rho$, momentum $\alpha = 0.75$ in the reference form
+$\xi_{k+1} = \xi_k + \alpha(z_{k+1} - \xi_k)$, the checkpoint schedule $W$ and step halving with
+a restart from the best iterate when
 
-* Condition 1: fewer than ``0.75 (k − k_prev)`` improvements of the best loss
-  since the last checkpoint, or
-* Condition 2: the step size was not halved at the last checkpoint and the
-  best loss did not change since then.
+* Condition 1: fewer than $0.75 (k - k_{prev})$ improvements of the best loss since the last
+  checkpoint, or
+* Condition 2: the step size was not halved at the last checkpoint and the best loss did not
+  change since then.
 
-The best iterate is the ξ that actually produced the best loss (spec §8.2).
+The best iterate is the ξ that actually produced the best loss (the paper's Alg. 1 pairs it with
+the next one). Every scalar of the state (step size, best loss, improvement counter) has one
+entry per problem: a `(B,)` batch of independent problems (a population of diagonal networks)
+runs in one loop with one objective call per iteration, and a single model is `problems = ()`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-__all__ = ["checkpoints", "AscentProblem", "APGDResult", "apgd"]
+from .feasible import FeasibleSet
 
-Tangent = list[torch.Tensor]
+__all__ = ["checkpoints", "APGDResult", "apgd", "Objective"]
+
+Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""`objective(xi) -> (loss, grad)`: the loss `(*problems)` at the perturbation `xi`
+`(*problems, D)` and its gradient with respect to `xi`."""
 
 
 def checkpoints(n_iter: int) -> list[int]:
-    r"""The APGD checkpoints ``W`` for ``n_iter`` iterations (spec §8.3).
+    r"""The APGD checkpoints $W$ for `n_iter` iterations.
 
-    ``p₀ = 0``, ``p₁ = 0.22``, ``p_{j+1} = p_j + max(p_j − p_{j−1} − 0.03, 0.06)``,
-    ``w_j = ⌈p_j N⌉``; ``w₀`` dropped; stop once ``w_j ≥ N`` (included) or on a repeat.
-    ``checkpoints(20) == [5, 9, 12, 15, 16, 18, 19, 20]``.
+    $p_0 = 0$, $p_1 = 0.22$, $p_{j+1} = p_j + \max(p_j - p_{j-1} - 0.03, 0.06)$,
+    $w_j = \lceil p_j N\rceil$; $w_0$ dropped; stop once $w_j \ge N$ (included) or on a repeat.
+    `checkpoints(20) == [5, 9, 12, 15, 16, 18, 19, 20]`.
     """
     p = [0.0, 0.22]
     out: list[int] = []
@@ -47,100 +53,125 @@ def checkpoints(n_iter: int) -> list[int]:
     return out
 
 
-class AscentProblem(Protocol):
-    """What APGD needs from a feasible set and an objective."""
-
-    def zeros(self) -> Tangent: ...
-
-    def loss_and_grad(self, xi: Sequence[torch.Tensor]) -> tuple[float, Tangent]: ...
-
-    def direction(self, xi: Sequence[torch.Tensor], grad: Sequence[torch.Tensor]) -> Tangent: ...
-
-    def project(self, xi: Sequence[torch.Tensor]) -> Tangent: ...
-
-
 @dataclass
 class APGDResult:
-    """Best loss, the perturbation that produced it, and the trace."""
+    """Best loss and the perturbation that produced it (per problem), and the trace."""
 
-    best_loss: float
-    best_xi: Tangent
-    losses: list[float] = field(default_factory=list)
-    steps: list[float] = field(default_factory=list)
+    best_loss: torch.Tensor
+    best_xi: torch.Tensor
+    losses: list[torch.Tensor] = field(default_factory=list)
+    steps: list[torch.Tensor] = field(default_factory=list)
 
 
-def _axpy(a: float, x: Sequence[torch.Tensor], y: Sequence[torch.Tensor]) -> Tangent:
-    return [yi + a * xi for xi, yi in zip(x, y, strict=True)]
+class _Pool:
+    """Iterate buffers reused from step to step: a fresh 10⁷-entry tensor costs more in page
+    faults (on CPU) than the arithmetic written into it."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, like: torch.Tensor, busy: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A buffer shaped like `like` that shares no memory with the tensors in `busy`."""
+        ptrs = {t.data_ptr() for t in busy}
+        for b in self.buffers:
+            if b.data_ptr() not in ptrs and b.shape == like.shape and b.dtype == like.dtype:
+                return b
+        b = torch.empty_like(like)
+        self.buffers.append(b)
+        return b
+
+
+def _select(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a` where `cond` (one flag per problem), else `b`; no copy for a single problem."""
+    if cond.dim() == 0:
+        return a if bool(cond) else b
+    return torch.where(cond.unsqueeze(-1), a, b)
 
 
 def apgd(
-    problem: AscentProblem,
-    rho: float,
-    base_loss: float,
+    objective: Objective,
+    feasible: FeasibleSet,
+    base_loss: torch.Tensor | float,
     *,
     n_iter: int = 20,
-    init: Sequence[torch.Tensor] | None = None,
+    init: torch.Tensor | None = None,
     step_mult: float = 1.0,
     momentum: float = 0.75,
     momentum_form: str = "reference",
-    on_step: Callable[[int, float], None] | None = None,
+    on_step: Callable[[int, torch.Tensor], None] | None = None,
 ) -> APGDResult:
-    r"""Maximise ``problem``'s loss over its feasible set by Auto-PGD (spec §8.1, §8.3).
+    r"""Maximise `objective` over `feasible` by Auto-PGD.
 
     Parameters
     ----------
-    problem : AscentProblem
-        ``loss_and_grad(ξ)``, ``direction(ξ, g)`` (normalised ascent direction),
-        ``project(ξ)`` (``P_S``) and ``zeros()``.
-    rho : float
-        Radius; the initial step is ``η = 2ρ · step_mult``.
-    base_loss : float
-        Loss at ``ξ = 0``; the best loss starts there (Alg. 1 line 5).
+    objective : callable
+        `objective(xi) -> (loss, grad)`, shapes `(*problems)` and `(*problems, D)`. The
+        gradient is not used after the step it was computed for, so the objective may return
+        the same buffer every time.
+    feasible : FeasibleSet
+        The set: `direction(ξ, g)` (normalised ascent direction), `step(ξ, d, η)`
+        ($P_S(\xi + \eta d)$), `project` and `zeros()`; its radius $\rho$ sets the step.
+    base_loss : Tensor or float
+        Loss at $\xi = 0$, per problem; the best loss starts there (Alg. 1 line 5).
     n_iter : int
         Gradient evaluations.
-    init : tangent list, optional
-        Initial perturbation (default zero).
+    init : Tensor, optional
+        Initial perturbation (default zero), projected onto the set.
+    step_mult : float
+        The initial step is $\eta = 2\rho \cdot$ `step_mult`.
     momentum : float
-        ``α``.
+        $\alpha$.
     momentum_form : {"reference", "apgd"}
-        ``ξ + α(z − ξ)`` (reference code) or Croce & Hein's
-        ``P_S(ξ + α(z − ξ) + (1 − α)(ξ − ξ_prev))`` (Alg. 1 line 15).
+        $\xi + \alpha(z - \xi)$ (reference code) or Croce & Hein's
+        $P_S(\xi + \alpha(z - \xi) + (1 - \alpha)(\xi - \xi_{prev}))$ (Alg. 1 line 15).
+    on_step : callable, optional
+        Called with `(k, loss)` after each objective evaluation.
     """
     if momentum_form not in ("reference", "apgd"):
         raise ValueError(f"momentum_form must be 'reference' or 'apgd', got {momentum_form!r}")
+    if int(n_iter) < 1:
+        raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     W = set(checkpoints(n_iter))
-    zero = problem.zeros()
-    xi = list(init) if init is not None else zero
+    pool = _Pool()
+    zero = feasible.zeros()
+    problems = feasible.problems
+    xi = zero if init is None else feasible.project(init.to(zero.dtype))
     xi_prev = xi
-    eta = 2.0 * rho * step_mult
-    res = APGDResult(base_loss, zero)
-    n_improve, k_last, eta_last, best_last = 0, 0, eta, base_loss
+    dev = zero.device
+    best = torch.as_tensor(base_loss, dtype=torch.float64, device=dev).expand(problems).clone()
+    eta = torch.full(problems, 2.0 * feasible.rho * step_mult, dtype=torch.float64, device=dev)
+    res = APGDResult(best, zero)
+    n_improve = torch.zeros(problems, dtype=torch.float64, device=dev)
+    k_last, eta_last, best_last = 0, eta.clone(), best.clone()
     for k in range(n_iter):
-        loss, grad = problem.loss_and_grad(xi)
+        loss, grad = objective(xi)
+        loss = loss.detach().to(torch.float64).to(dev)
         res.losses.append(loss)
         res.steps.append(eta)
         if on_step is not None:
             on_step(k, loss)
-        if loss > res.best_loss:
-            res.best_loss, res.best_xi = loss, [t.detach() for t in xi]
-            n_improve += 1
-        z = problem.project(_axpy(eta, problem.direction(xi, grad), xi))
-        if k == 0:
-            new = z
-        elif momentum_form == "reference":
-            new = [x + momentum * (zi - x) for x, zi in zip(xi, z, strict=True)]
+        better = loss > res.best_loss
+        res.best_loss = torch.where(better, loss, res.best_loss)
+        res.best_xi = _select(better, xi, res.best_xi)
+        n_improve = n_improve + better.to(torch.float64)
+        # the gradient is not needed after this: direction and step may reuse its memory
+        d = feasible.direction(xi, grad, inplace=True)
+        z = feasible.step(xi, d, eta.to(xi.dtype), inplace=True)
+        if k == 0:  # z may live in the gradient's memory
+            new = pool.take(z, (xi, res.best_xi)).copy_(z)
+        elif momentum_form == "reference":  # ξ + α(z − ξ), into a reused buffer
+            new = torch.lerp(xi, z, momentum, out=pool.take(z, (xi, res.best_xi)))
         else:
-            new = problem.project([
-                x + momentum * (zi - x) + (1 - momentum) * (x - xp)
-                for x, zi, xp in zip(xi, z, xi_prev, strict=True)
-            ])
-        xi_prev, xi = xi, [t.detach() for t in new]
+            new = feasible.project(torch.lerp(xi, z, momentum) + (1 - momentum) * (xi - xi_prev))
+        xi_prev, xi = xi, new.detach()
         if k in W:
             cond1 = n_improve < 0.75 * (k - k_last)
-            cond2 = eta == eta_last and res.best_loss == best_last
+            cond2 = (eta == eta_last) & (res.best_loss == best_last)
             eta_last, best_last = eta, res.best_loss
-            if cond1 or cond2:
-                eta *= 0.5
-                xi = xi_prev = list(res.best_xi)
-            n_improve, k_last = 0, k
+            fire = cond1 | cond2
+            eta = torch.where(fire, 0.5 * eta, eta)
+            xi = _select(fire, res.best_xi, xi)
+            xi_prev = _select(fire, res.best_xi, xi_prev)
+            n_improve = torch.zeros_like(n_improve)
+            k_last = k
     return res

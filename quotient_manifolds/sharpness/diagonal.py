@@ -17,7 +17,7 @@ measure is a maximisation over ``b``:
 with the perturbation ``R`` chosen by ``retraction`` (spec §6.3, §6.4.1):
 
 * ``"exact"``: the closed-form geodesic, inv ``β e^{2b}``, mix ``β (1 + 2b)``
-  (:class:`~quotient_manifolds.manifolds.DiagonalQuotient` with ``retraction="exact"``);
+  (the tangent space of :class:`~quotient_manifolds.manifolds.DiagonalQuotient`);
 * ``"second_order"``: ``w + ξ − ½Γ_w(ξ, ξ)`` (Eq. 5);
 * ``"first_order"``: ``w + ξ``, i.e. ``β(1 + b)²`` (App. G ablation (b)),
 
@@ -44,37 +44,40 @@ shrink radially" keeps both constraints.  Coordinates with ``u_i = 0`` or ``v_i 
 Adaptive sharpness (``measure="adaptive"``, Eq. 1) perturbs all ``2d`` weights:
 ``(u + |u| ⊙ z_u, v + |v| ⊙ z_v)`` with ``‖z‖₂ ≤ ρ``, i.e. ``‖δ ⊘ |w|‖₂ ≤ ρ``.
 
-The worst case is found by Auto-PGD (spec §8) run for every member at once
-(:func:`apgd_batched`), in the coordinates ``s = A ⊙ b`` (resp. ``z``) where the ball is
-Euclidean: the step ``η ∇_s/‖∇_s‖`` is then the normalised Riemannian gradient step of
-spec §8.3.  The average case (spec §7.2) draws ``s ~ N(0, ρ² I)``, i.e. Gaussian ξ with
-covariance ``ρ²`` × the inverse of the ball's quadratic form on the horizontal space;
-coordinates that leave the mix domain are redrawn (a truncated Gaussian).
+The population is one batch of independent problems: the tangent vectors of all members are
+one ``(B, 2d)`` tensor of the product tangent space of ``DiagonalQuotient(...).at(x0)`` (resp.
+``AdaptiveEuclidean().at(w)``), the feasible set is the model engine's
+:class:`~quotient_manifolds.sharpness.feasible.MetricBall` (``ball="metric"``) or
+:class:`~quotient_manifolds.sharpness.feasible.AdaptiveNormBall` with ``c = |w|`` (``"adaptive"``;
+``"coefficient"`` is the same ball at radius ``√2ρ``, since ``‖ξ ⊘ |w|‖² = 2‖b‖²``), and the worst
+case is found by the model engine's Auto-PGD (:func:`~quotient_manifolds.sharpness.apgd.apgd`),
+whose state has one entry per member. The average case draws ``ρ`` times a standard Gaussian of
+the ball's norm on the horizontal space; coordinates that leave the mix domain are redrawn (a
+truncated Gaussian).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..errors import InvalidRadiusError, ShapeError
-from ..manifolds import DiagonalQuotient
-from .apgd import checkpoints
+from ..manifolds import AdaptiveEuclidean, DiagonalQuotient
+from ..manifolds.base import RETRACTIONS
+from ..manifolds.product import ProductTangentSpace
+from .apgd import apgd
+from .feasible import AdaptiveNormBall, FeasibleSet, MetricBall
 
 __all__ = [
     "BALLS",
-    "RETRACTIONS",
-    "apgd_batched",
-    "ball_scale",
     "diagonal_loss",
     "diagonal_sharpness",
     "perturb_horizontal",
 ]
 
 BALLS = ("metric", "coefficient", "adaptive")
-RETRACTIONS = ("exact", "second_order", "first_order")
 
 
 def diagonal_loss(
@@ -98,7 +101,7 @@ def perturb_horizontal(
 ) -> torch.Tensor:
     r"""``β`` after moving ``(u, v)`` along the horizontal vector ``(b ⊙ u, b ⊙ v)``.
 
-    Uses :class:`~quotient_manifolds.manifolds.DiagonalQuotient` (``retr``), so
+    Uses the tangent space of :class:`~quotient_manifolds.manifolds.DiagonalQuotient`, so
     ``"exact"`` is the closed-form geodesic: inv ``β e^{2b}``, mix ``β(1 + 2b)``, and
     raises :class:`~quotient_manifolds.errors.GeodesicDomainError` if ``1 + 2b ≤ 0``
     for mix.  ``"second_order"`` gives inv ``β(1 + b + b²/2)²`` and mix
@@ -108,110 +111,27 @@ def perturb_horizontal(
         raise ValueError(f"retraction must be one of {RETRACTIONS}, got {retraction!r}")
     M = DiagonalQuotient(metric, retraction, validate=False)
     x = M.pack_point(u, v)
-    xi = M.pack_point(b * u, b * v)
-    return M.invariant(M.retr(x, xi))
+    return M.invariant(M.at(x).retract(M.pack_point(b * u, b * v)))
 
 
-def ball_scale(
-    u: torch.Tensor, v: torch.Tensor, metric: str, ball: str
-) -> torch.Tensor:
-    r"""The weights ``A`` of the ball ``‖A ⊙ b‖ ≤ ρ`` on horizontal coefficients (table above)."""
+def _check(u, v, X, rho, measure, kind, ball, metric, retraction) -> None:
+    if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho > 0):
+        raise InvalidRadiusError(f"rho must be a positive finite number, got {rho!r}")
+    if u.shape != v.shape or u.ndim != 2 or X.ndim != 2 or X.shape[1] != u.shape[1]:
+        raise ShapeError(
+            f"expected u, v of shape (B, d) and X of shape (n, d); got u {tuple(u.shape)}, "
+            f"v {tuple(v.shape)}, X {tuple(X.shape)}"
+        )
+    if measure not in ("geodesic", "adaptive"):
+        raise ValueError(f"measure must be 'geodesic' or 'adaptive', got {measure!r}")
+    if kind not in ("worst", "average"):
+        raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
     if ball not in BALLS:
         raise ValueError(f"ball must be one of {BALLS}, got {ball!r}")
     if metric not in ("inv", "mix"):
         raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}")
-    one = torch.ones_like(u)
-    if ball == "coefficient":
-        return one
-    if ball == "metric" and metric == "mix":
-        return math.sqrt(2.0) * (u * v).abs()
-    return math.sqrt(2.0) * one
-
-
-# -- Auto-PGD over a population ----------------------------------------------------------
-def _project(s: torch.Tensor, rho: float, lo: torch.Tensor | None, mask: torch.Tensor):
-    if lo is not None:
-        s = torch.maximum(s, lo)
-    s = s * mask
-    n = torch.linalg.vector_norm(s, dim=-1, keepdim=True)
-    return s * torch.clamp(rho / n.clamp_min(torch.finfo(s.dtype).tiny), max=1.0)
-
-
-def apgd_batched(
-    objective: Callable[[torch.Tensor], torch.Tensor],
-    shape: Sequence[int],
-    rho: float,
-    *,
-    lower: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    n_iter: int = 100,
-    inits: Sequence[torch.Tensor] = (),
-    momentum: float = 0.75,
-    dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Auto-PGD (spec §8.3, reference settings) on ``‖s‖₂ ≤ ρ, s ≥ lower``, per batch row.
-
-    The same iteration as :func:`quotient_manifolds.sharpness.apgd.apgd`, with every
-    scalar of its state (step ``η = 2ρ``, best value, improvement counter) kept per
-    row: step ``z = P(s + η g/‖g‖)``, momentum ``s + α(z − s)``, checkpoints
-    :func:`~quotient_manifolds.sharpness.apgd.checkpoints` with step halving and a
-    restart from the row's best point when Condition 1 or 2 fires.  One run from zero
-    plus one per tensor in ``inits``; the row-wise best over all runs is returned.
-
-    Parameters
-    ----------
-    objective : callable
-        ``(B, k) → (B,)``, differentiable, with ``objective(0) = 0`` (the loss increase).
-    shape : (B, k)
-    lower : tensor, optional
-        Lower bound of ``s`` (``≤ 0``), broadcastable to ``shape``.
-    mask : tensor, optional
-        ``0/1`` entries; ``s`` is kept at 0 where ``mask = 0``.
-
-    Returns
-    -------
-    best, best_s : ``(B,)`` and ``(B, k)``
-    """
-    B, k = shape
-    mask = torch.ones(B, k, dtype=dtype) if mask is None else mask.to(dtype)
-    W = set(checkpoints(n_iter))
-    best = torch.zeros(B, dtype=dtype)
-    best_s = torch.zeros(B, k, dtype=dtype)
-    for init in (torch.zeros(B, k, dtype=dtype), *inits):
-        s = _project(init.to(dtype), rho, lower, mask)
-        eta = torch.full((B,), 2.0 * rho, dtype=dtype)
-        run_best = torch.zeros(B, dtype=dtype)
-        run_s = torch.zeros(B, k, dtype=dtype)
-        n_imp = torch.zeros(B, dtype=dtype)
-        k_last, eta_last, best_last = 0, eta.clone(), run_best.clone()
-        for it in range(n_iter):
-            s_req = s.detach().requires_grad_(True)
-            val = objective(s_req)
-            (g,) = torch.autograd.grad(val.sum(), s_req)
-            val = val.detach()
-            val = torch.where(torch.isfinite(val), val, torch.full_like(val, -math.inf))
-            better = val > run_best
-            run_best = torch.where(better, val, run_best)
-            run_s = torch.where(better[:, None], s, run_s)
-            n_imp = n_imp + better.to(dtype)
-            g = torch.nan_to_num(g * mask)
-            gn = torch.linalg.vector_norm(g, dim=-1, keepdim=True)
-            direction = torch.where(gn > 0, g / gn.clamp_min(torch.finfo(dtype).tiny), 0.0)
-            z = _project(s + eta[:, None] * direction, rho, lower, mask)
-            s = z if it == 0 else s + momentum * (z - s)
-            if it in W:
-                cond1 = n_imp < 0.75 * (it - k_last)
-                cond2 = (eta == eta_last) & (run_best == best_last)
-                eta_last, best_last = eta.clone(), run_best.clone()
-                fire = cond1 | cond2
-                eta = torch.where(fire, 0.5 * eta, eta)
-                s = torch.where(fire[:, None], run_s, s)
-                n_imp = torch.zeros_like(n_imp)
-                k_last = it
-        take = run_best > best
-        best = torch.where(take, run_best, best)
-        best_s = torch.where(take[:, None], run_s, best_s)
-    return best, best_s
+    if retraction not in RETRACTIONS:
+        raise ValueError(f"retraction must be one of {RETRACTIONS}, got {retraction!r}")
 
 
 # -- public entry point -----------------------------------------------------------------
@@ -241,7 +161,7 @@ def diagonal_sharpness(
     u, v : tensor ``(B, d)``
         Trained factors; ``β = u ⊙ v``.
     X, y : tensor ``(n, d)``, ``(n,)``
-        The batch the loss is measured on (the training set, spec §12.3).
+        The batch the loss is measured on (the training set).
     rho : float
         Radius.
     measure : {"geodesic", "adaptive"}
@@ -254,7 +174,7 @@ def diagonal_sharpness(
         paper's App. E ``‖b‖ ≤ ρ``, or the adaptive norm ``‖ξ ⊘ |w|‖ ≤ ρ`` (ablation).
     kind : {"worst", "average"}
         Auto-PGD maximum (``n_iter`` steps, zero start plus ``n_restarts`` random
-        starts) or the mean over ``n_samples`` Gaussian draws (spec §7.2).
+        starts) or the mean over ``n_samples`` Gaussian draws.
     seed : int or sequence of int
         Seed of the random starts / samples.  A sequence gives every row its own
         generator, so a member's value does not depend on which other rows are
@@ -269,84 +189,113 @@ def diagonal_sharpness(
     tensor ``(B,)``
         ``L(perturbed) − L(u, v)`` at the maximiser (worst) or averaged (average).
     """
-    if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho > 0):
-        raise InvalidRadiusError(f"rho must be a positive finite number, got {rho!r}")
-    if u.shape != v.shape or u.ndim != 2 or X.ndim != 2 or X.shape[1] != u.shape[1]:
-        raise ShapeError(
-            f"expected u, v of shape (B, d) and X of shape (n, d); got u {tuple(u.shape)}, "
-            f"v {tuple(v.shape)}, X {tuple(X.shape)}"
-        )
-    if measure not in ("geodesic", "adaptive"):
-        raise ValueError(f"measure must be 'geodesic' or 'adaptive', got {measure!r}")
-    if kind not in ("worst", "average"):
-        raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
+    _check(u, v, X, rho, measure, kind, ball, metric, retraction)
     dt = torch.float64
     u, v, X, y = (t.to(dt) for t in (u, v, X, y))
     B, d = u.shape
     base = diagonal_loss(u * v, X, y, reduction)
     if isinstance(seed, int):
-        gens = [torch.Generator().manual_seed(seed)]
+        gens: torch.Generator | list[torch.Generator] = torch.Generator().manual_seed(seed)
     else:
         gens = [torch.Generator().manual_seed(int(sd)) for sd in seed]
         if len(gens) != B:
             raise ShapeError(f"got {len(gens)} seeds for {B} rows")
 
-    def randn(k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``(B, k)`` standard normals; with per-row seeds, only ``rows`` draw (others 0)."""
-        if isinstance(seed, int):
-            return torch.randn(B, k, generator=gens[0], dtype=dt)
-        out = torch.zeros(B, k, dtype=dt)
-        for i, g in enumerate(gens):
-            if rows is None or bool(rows[i]):
-                out[i] = torch.randn(k, generator=g, dtype=dt)
-        return out
-
     if measure == "adaptive":
-        au, av = u.abs(), v.abs()
-        mask = torch.cat([au > 0, av > 0], dim=-1).to(dt)
-        lower = None
+        w = torch.cat([u, v], dim=-1)
+        ok = w != 0
+        w_safe = torch.where(ok, w, 1.0)
+        ts = AdaptiveEuclidean(0.0, "first_order", ndim=1, validate=False).at(w_safe)
+        space = ProductTangentSpace([ts], (B,))
+        feasible: FeasibleSet = MetricBall(space, rho, ok)
 
-        def beta_of(s):
-            return (u + au * s[:, :d]) * (v + av * s[:, d:])
-
-        k = 2 * d
+        def beta_of(xi):  # w + ξ (ξ = 0 on zero weights)
+            p = w + xi
+            return p[:, :d] * p[:, d:]
     else:
-        A = ball_scale(u, v, metric, ball)
-        ok = (u != 0) & (v != 0) & (A > 0)
-        mask = ok.to(dt)
-        A = torch.where(ok, A, torch.ones_like(A))
-        lower = (-0.5 + domain_margin) * A if metric == "mix" and retraction == "exact" else None
+        ok = (u != 0) & (v != 0)
+        M = DiagonalQuotient(metric, retraction, validate=False, domain_margin=domain_margin)
+        x0 = M.pack_point(torch.where(ok, u, 1.0), torch.where(ok, v, 1.0))
+        ts = M.at(x0)
+        space = ProductTangentSpace([ts], (B,), kinds=[retraction])
+        mask = torch.cat([ok, ok], dim=-1)
+        if ball == "metric":
+            feasible = MetricBall(space, rho, mask)
+        else:  # ‖ξ ⊘ |w|‖² = 2‖b‖²: "coefficient" (‖b‖ ≤ ρ) is the adaptive ball of radius √2ρ
+            r = rho * math.sqrt(2.0) if ball == "coefficient" else rho
+            feasible = AdaptiveNormBall(space, r, space.join([x0 * x0]), mask)
+        beta0 = u * v
 
-        # masked coordinates (u_i v_i = 0) stay at β_i; the geodesic only sees safe ones
-        us, vs, beta0 = torch.where(ok, u, 1.0), torch.where(ok, v, 1.0), u * v
+        def beta_of(xi):  # masked coordinates (u_i v_i = 0) stay at β_i
+            (pt,) = space.retract(xi)
+            return torch.where(ok, M.invariant(pt), beta0)
 
-        def beta_of(s):
-            return torch.where(ok, perturb_horizontal(us, vs, s / A * mask, metric, retraction),
-                               beta0)
-
-        k = d
-
-    def objective(s):
-        return diagonal_loss(beta_of(s), X, y, reduction) - base
+    def increase(xi):
+        return diagonal_loss(beta_of(xi), X, y, reduction) - base
 
     if kind == "worst":
-        inits = []
-        for _ in range(n_restarts):
-            z = randn(k)
-            inits.append(0.5 * rho * z / torch.linalg.vector_norm(z, dim=-1, keepdim=True))
-        best, _ = apgd_batched(objective, (B, k), rho, lower=lower, mask=mask,
-                               n_iter=n_iter, inits=inits, dtype=dt)
-        return best
-    total = torch.zeros(B, dtype=dt)
+        return _worst(increase, feasible, gens, n_iter, n_restarts)
+    domain = measure == "geodesic" and metric == "mix" and retraction == "exact"
+    return _average(increase, feasible, ts, gens, n_samples, domain, domain_margin)
+
+
+def _worst(increase, feasible: FeasibleSet, gens, n_iter: int, n_restarts: int) -> torch.Tensor:
+    def objective(xi):
+        x = xi.detach().requires_grad_(True)
+        val = increase(x)
+        (g,) = torch.autograd.grad(val.sum(), x)
+        val = val.detach()
+        return torch.where(torch.isfinite(val), val, -math.inf), torch.nan_to_num(g)
+
+    inits = []
+    for _ in range(n_restarts):  # random starts at half the radius
+        z = feasible.sample(gens)
+        n = feasible.norm(z)
+        inits.append(z * (0.5 * feasible.rho / n.clamp_min(torch.finfo(z.dtype).tiny))[:, None])
+    zero = torch.zeros(feasible.problems, dtype=feasible.space.dtype)
+    best = zero
+    for init in (None, *inits):
+        best = torch.maximum(best, apgd(objective, feasible, zero, n_iter=n_iter,
+                                        init=init).best_loss)
+    return best
+
+
+def _average(increase, feasible: FeasibleSet, ts, gens, n_samples: int, domain: bool,
+             margin: float) -> torch.Tensor:
+    """Mean increase over Gaussian perturbations of the ball's norm; in the mix domain, the
+    coordinates that leave it are redrawn (a truncated Gaussian, at most 50 times)."""
+    per_row = not isinstance(gens, torch.Generator)
+    shape = ts.noise_shape
+
+    def noise(rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Standard normals; with per-row seeds, only ``rows`` draw (the others are 0)."""
+        if not per_row:
+            return torch.randn(shape, generator=gens, dtype=ts.x0.dtype)
+        out = torch.zeros(shape, dtype=ts.x0.dtype)
+        for i, g in enumerate(gens):
+            if rows is None or bool(rows[i]):
+                out[i] = torch.randn(shape[1:], generator=g, dtype=ts.x0.dtype)
+        return out
+
+    def to_tangent(z: torch.Tensor) -> torch.Tensor:
+        if isinstance(feasible, AdaptiveNormBall):
+            xi = ts.sample_weighted(feasible.space.split(feasible.w2)[0], noise=z)
+        else:
+            xi = ts.sample(noise=z)
+        return feasible.space.join([xi]) * feasible.rho * feasible.mask
+
+    total = torch.zeros(feasible.problems, dtype=ts.x0.dtype)
     with torch.no_grad():
         for _ in range(n_samples):
-            s = rho * randn(k)
-            if lower is not None:
-                for _ in range(50):  # truncated Gaussian: redraw coordinates outside the domain
-                    bad = s < lower
+            z = noise()
+            xi = to_tangent(z)
+            if domain:
+                for _ in range(50):  # redraw the coordinates outside the domain
+                    bad = ts.horizontal_coefficient(feasible.space.split(xi)[0]) < -0.5 + margin
                     if not bool(bad.any()):
                         break
-                    s = torch.where(bad, rho * randn(k, rows=bad.any(-1)), s)
-                s = torch.maximum(s, lower)
-            total += objective(s * mask)
+                    z = torch.where(bad, noise(rows=bad.any(-1)), z)
+                    xi = to_tangent(z)
+                xi = feasible.space.clip_to_domain(xi)
+            total += increase(xi)
     return total / n_samples

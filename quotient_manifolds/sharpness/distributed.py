@@ -2,9 +2,10 @@ r"""Data-parallel sharpness under ``torch.distributed`` (``torchrun``).
 
 Two ways to share the work of :func:`~quotient_manifolds.geodesic_sharpness` and
 :func:`~quotient_manifolds.adaptive_sharpness` among the ``W`` ranks of a process group
-(see ``docs/distributed.md``):
+(see ``docs/distributed.md``). Nothing is shared unless asked for: ``shard=None`` (the default)
+runs everything on this process, even inside a ``torchrun`` job, and no collective is called.
 
-``shard="batches"`` (the default when a group with ``W > 1`` is initialised)
+``shard="batches"``
     Rank ``r`` solves the inner maximisation of the batches ``b`` with ``b mod W = r``,
     exactly as a single process would; the per-batch records are then gathered, so every
     rank returns the same :class:`SharpnessResult`, whose per-batch values equal a
@@ -24,7 +25,8 @@ Two ways to share the work of :func:`~quotient_manifolds.geodesic_sharpness` and
     takes the same steps on the same all-reduced values), so the value equals the
     single-process one up to float rounding of the sums.
 
-``shard="none"`` (the default without a group) runs everything on this process.
+``shard="none"`` (or ``None``) runs everything on this process. Options other than the mode
+go into a :class:`Shard`: ``shard=Shard("within_batch", split_batch=fn, group=g)``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 
 from ..errors import DistributedError
 
-__all__ = ["SHARD_MODES", "ShardContext", "default_split", "resolve_shard"]
+__all__ = ["SHARD_MODES", "Shard", "ShardContext", "default_split", "resolve_shard"]
 
 SHARD_MODES = ("none", "batches", "within_batch")
 
@@ -199,7 +201,7 @@ class ShardContext:
         """``seed``, or a fresh random seed drawn on rank 0 and shared with every rank."""
         if seed is not None:
             return int(seed)
-        s = int(torch.seed() % (2**63))
+        s = int(torch.Generator().seed() % (2**63))  # a fresh seed; global RNG untouched
         if self.active:
             box = [s]
             _dist().broadcast_object_list(box, src=self._global(0), group=self.group)
@@ -256,24 +258,52 @@ class ShardContext:
         return merged, sum(o[1] for o in out), wall
 
 
-def resolve_shard(shard: str | None, split_batch: SplitFn | None = None,
+@dataclass(frozen=True)
+class Shard:
+    """Data parallelism of a sharpness call (see the module docstring).
+
+    Attributes
+    ----------
+    mode : {"batches", "within_batch", "none"}
+        How the ranks share the work.
+    split_batch : callable, optional
+        ``split_batch(batch, rank, world_size) -> (slice, n_examples)`` for
+        ``"within_batch"``; default :func:`default_split`.
+    group : ProcessGroup, optional
+        The process group (default: the world).
+    """
+
+    mode: str = "batches"
+    split_batch: SplitFn | None = None
+    group: object = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in SHARD_MODES:
+            raise ValueError(f"shard must be one of {SHARD_MODES} or None, got {self.mode!r}")
+        if self.split_batch is not None and self.mode != "within_batch":
+            raise ValueError("split_batch is only used with shard='within_batch'")
+
+
+def resolve_shard(shard: str | Shard | None, split_batch: SplitFn | None = None,
                   group=None) -> ShardContext:
     """The :class:`ShardContext` of a sharpness call.
 
-    ``shard=None`` means ``"batches"`` when a process group with more than one rank is
-    initialised and ``"none"`` otherwise; without such a group every mode runs on this
-    process alone.
+    ``shard=None`` or ``"none"`` runs on this process alone, whether or not a process group
+    exists. A mode (or a :class:`Shard`) shares the work among the ranks of an initialised
+    group; without one (or with a single rank) it also runs on this process alone.
     """
-    if shard is not None and shard not in SHARD_MODES:
-        raise ValueError(f"shard must be one of {SHARD_MODES} or None, got {shard!r}")
-    if split_batch is not None and shard != "within_batch":
-        raise ValueError("split_batch is only used with shard='within_batch'")
+    if shard is None:
+        shard = "none"
+    if isinstance(shard, str):
+        shard = Shard(shard, split_batch, group)
+    elif split_batch is not None or group is not None:
+        raise ValueError("pass split_batch and group inside the Shard object")
+    if shard.mode == "none":
+        return ShardContext()
     dist = _dist()
     up = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size(group) if up else 1
-    if shard is None:
-        shard = "batches" if world > 1 else "none"
-    if shard == "none" or world == 1:  # nothing to share: this process does everything
+    world = dist.get_world_size(shard.group) if up else 1
+    if world == 1:  # nothing to share: this process does everything
         return ShardContext()
-    return ShardContext(shard, dist.get_rank(group), world, group,
-                        split_batch or default_split)
+    return ShardContext(shard.mode, dist.get_rank(shard.group), world, shard.group,
+                        shard.split_batch or default_split)

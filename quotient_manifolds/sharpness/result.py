@@ -19,17 +19,20 @@ class SharpnessResult:
     per_batch : list of float
         Loss increase of each batch.
     base_loss, max_loss : list of float
-        Unperturbed loss and perturbed (maximal, or mean for ``kind="average"``) loss per batch.
+        Unperturbed loss and perturbed (maximal, or mean for the average case) loss per batch.
     perturbation_norm : list of float
-        Norm of the maximising perturbation per batch (in the problem's own norm).
+        Norm of the maximising perturbation per batch, in the feasible set's own norm (NaN for
+        the average case).
     norms : list of dict
-        Per batch, the norm split into its GL-block and adaptive parts (geodesic only).
+        Per batch, that norm and (for the metric and adaptive-norm balls) its GL-block and
+        adaptive parts.
     method : str
         ``"geodesic"`` or ``"adaptive"``.
     kind : str
         ``"worst"`` or ``"average"``.
     settings : dict
-        Every setting of the call.
+        The radius, the geometry (`Geometry.settings()`), the settings of the solver that ran
+        (and no other's), the number of perturbed parameters and of frozen zero weights.
     blocks : list of dict
         The GL blocks used (see :meth:`BlockSpec.describe`).
     fallbacks : list of dict

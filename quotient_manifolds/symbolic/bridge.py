@@ -48,6 +48,7 @@ ad: Any = _ad
 __all__ = [
     "NumericMetric",
     "christoffel_bridge",
+    "retraction_bridge",
     "transcription_bridge",
     "projection_bridge",
     "geodesic_bridge_diagonal",
@@ -167,6 +168,53 @@ def christoffel_bridge(
         return _verdict({"Γ(ξ,η)": max(errs)})
 
     return run_check("christoffel", f"GL {metric} (bridge)", sizes, "numeric", run)
+
+
+def retraction_bridge(
+    n: int,
+    m: int,
+    h: int,
+    metric: str,
+    eps: float = 0.0,
+    seed: int = 0,
+    points: int = 3,
+    candidate: Callable | None = None,
+) -> CheckResult:
+    r"""The engine's second-order retraction against ``x + ξ − ½Γ_x(ξ, ξ)`` with the
+    metric-derived Γ, and its gradient against ``I − Γ_x(ξ, ·)``.
+
+    ``candidate(x, u) -> point`` (torch, packed ``(n+m, h)``) defaults to
+    ``GLQuotient(n, m, metric, eps).at(x).retract(u, "second_order")``, the fused span-form
+    kernel :func:`~quotient_manifolds.geometry.gl.second_order` with its hand-written
+    backward. The gradient of ``⟨w, R(ξ)⟩`` must equal ``w − Γ_x(ξ, ·)ᵀ w`` (Γ symmetric
+    bilinear), assembled column by column from the metric-derived Γ.
+    """
+    block = GLBlock(n, m, h, sp.nsimplify(eps))
+    sizes = block.sizes
+
+    def default(x, u):
+        return GLQuotient(n, m, metric, eps=eps).at(x).retract(u, "second_order")
+
+    def run() -> Outcome:
+        num = NumericMetric(block.coordinate_metric(metric))
+        fn = candidate or default
+        rng = np.random.default_rng(seed)
+        errs, gerrs = [], []
+        N = (n + m) * h
+        for _ in range(points):
+            x = _gl_point(n, m, h, rng)
+            u, w = 0.3 * rng.standard_normal((n + m, h)), rng.standard_normal((n + m, h))
+            ref = x.ravel() + u.ravel() - 0.5 * num.christoffel(x.ravel(), u.ravel(), u.ravel())
+            ut = torch.from_numpy(u).requires_grad_()
+            got = fn(torch.from_numpy(x), ut)
+            errs.append(_rel_err(got.detach().numpy().ravel(), ref))
+            (g,) = torch.autograd.grad(got, ut, torch.from_numpy(w))
+            J = np.eye(N) - np.stack([num.christoffel(x.ravel(), u.ravel(), e)
+                                      for e in np.eye(N)], axis=1)
+            gerrs.append(_rel_err(g.numpy().ravel(), J.T @ w.ravel()))
+        return _verdict({"x + ξ − ½Γ(ξ,ξ)": max(errs), "gradient": max(gerrs)})
+
+    return run_check("retraction", f"GL {metric} second order (bridge)", sizes, "numeric", run)
 
 
 def transcription_bridge(kind: str, metric: str, seed: int = 0) -> CheckResult:

@@ -70,6 +70,7 @@ __all__ = [
     "check_christoffel_adaptive",
     "check_christoffel_diagonal",
     "check_christoffel_gl",
+    "check_christoffel_gl_quadratic",
     "check_geodesic_diagonal",
     "check_geodesic_diagonal_general_inv",
     "check_geodesic_adaptive",
@@ -277,6 +278,35 @@ def check_christoffel_gl(
         return _combine([("Γ(ξ, η)", prove_equal(cG.flat() + cH.flat(), ref))])
 
     return run_check("christoffel", f"GL {metric}", block.sizes, "symbolic", run)
+
+
+def check_christoffel_gl_quadratic(
+    n: int,
+    m: int,
+    h: int,
+    metric: str,
+    candidate: Callable = gl.christoffel,
+    eps: sp.Expr = sp.S.Zero,
+) -> CheckResult:
+    r"""GL(h) blocks: the quadratic fast path ``candidate(…, vG=None, vH=None)`` (what the
+    retractions use) equals the metric-derived ``Γ^λ_{μν}ξ^μξ^ν``.
+
+    The polarised form is proven by :func:`check_christoffel_gl`; the quadratic form is a
+    separate code path (fewer products), so it is proven on its own.
+    """
+    block = GLBlock(n, m, h, eps)
+
+    def run() -> Outcome:
+        cs = block.coordinate_metric(metric).christoffel()
+        xG, xH = block.tangent("xi")
+        ref = cs.contract(block.vec(xG, xH), block.vec(xG, xH))
+        S = block.sym
+        cG, cH = candidate(
+            S(block.G), S(block.H), S(xG), S(xH), None, None, block.code_grams(), metric
+        )
+        return _combine([("Γ(ξ, ξ)", prove_equal(cG.flat() + cH.flat(), ref))])
+
+    return run_check("christoffel", f"GL {metric} quadratic", block.sizes, "symbolic", run)
 
 
 # ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from .bridge import (
     geodesic_bridge_adaptive,
     geodesic_bridge_diagonal,
     projection_bridge,
+    retraction_bridge,
     transcription_bridge,
 )
 from .checks import (
@@ -42,6 +43,7 @@ from .checks import (
     check_christoffel_adaptive,
     check_christoffel_diagonal,
     check_christoffel_gl,
+    check_christoffel_gl_quadratic,
     check_christoffel_scalar_toy,
     check_geodesic_adaptive,
     check_geodesic_diagonal,
@@ -112,6 +114,37 @@ def _suite() -> list[Entry]:
                     quick,
                 )
             )
+    for (n, m, h), quick in (((2, 2, 1), True), ((2, 2, 2), True), ((3, 2, 2), False)):
+        for metric in ("inv", "mix"):
+            out.append(
+                E(
+                    f"christoffel GL {metric} quadratic n={n},m={m},h={h}",
+                    lambda a=(n, m, h, metric): check_christoffel_gl_quadratic(*a),
+                    quick,
+                )
+            )
+    for metric in ("inv", "mix"):
+        out.append(
+            E(
+                f"christoffel GL {metric} quadratic n=2,m=2,h=1,ε",
+                lambda m=metric: check_christoffel_gl_quadratic(2, 2, 1, m, eps=EPS),
+                True,
+            )
+        )
+        out.append(
+            E(
+                f"retraction GL {metric} second order (bridge) n=6,m=5,h=3",
+                lambda m=metric: retraction_bridge(6, 5, 3, m),
+                True,
+            )
+        )
+        out.append(
+            E(
+                f"retraction GL {metric} second order (bridge) n=6,m=5,h=3,eps=0.1",
+                lambda m=metric: retraction_bridge(6, 5, 3, m, eps=0.1),
+                False,
+            )
+        )
     for metric in ("inv", "mix"):
         out.append(
             E(

@@ -1,0 +1,126 @@
+r"""The geometry of a sharpness measure as one frozen configuration.
+
+A [`Geometry`][quotient_manifolds.models.config.Geometry] says which quotient the weights live
+in (the metric of the GL blocks, which symmetries), how perturbations move them (the
+retractions) and which ball bounds the perturbation. Together with a solver
+([`APGD`][quotient_manifolds.sharpness.solvers.APGD],
+[`Average`][quotient_manifolds.sharpness.solvers.Average], …) it defines a measure; the named
+measures are in [`MEASURES`][quotient_manifolds.sharpness.measures.MEASURES].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..manifolds.base import RETRACTIONS
+
+__all__ = ["Geometry", "METRICS", "SYMMETRIES", "BALLS", "HALF"]
+
+METRICS = ("inv", "mix", None)
+SYMMETRIES = ("full", "paper")
+BALLS = ("metric", "adaptive", "ellipsoid", "box")
+HALF = ("error", "float32")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    r"""Quotient geometry, perturbation and ball of a sharpness measure.
+
+    Attributes
+    ----------
+    metric : {"inv", "mix", None}
+        Metric of the GL(h) blocks: Eq. 9 (`"inv"`) or Eq. 10 (`"mix"`). `None`: no GL block,
+        every weight has the adaptive metric $\xi^2/(w^2 + \varepsilon)$ (adaptive sharpness).
+    symmetry : {"full", "paper"}
+        Which symmetries are quotiented out: `"full"`, every symmetry the library recognises
+        (the default); `"paper"`, GL(h) per recognised attention head with the bias rows
+        appended (the paper's measure, for reproductions).
+    retraction : {"second_order", "exact", "first_order"}
+        How GL blocks are perturbed: Eq. 5 (the paper), the geodesic by RK4, or $w + \xi$
+        (App. G ablation (b)).
+    eps : float
+        Gram relaxation $G^\top G + \varepsilon I$ of the GL blocks; 0 requires full column rank.
+    adaptive_eps : float
+        $\varepsilon$ of the adaptive metric of every other weight; with 0, zero weights cannot
+        move and are excluded.
+    adaptive_retraction : {"first_order", "second_order", "exact"}
+        How the other weights are perturbed ($w + \xi$ in the paper).
+    ball : {"metric", "adaptive", "ellipsoid", "box"}
+        The feasible set ([`feasible`][quotient_manifolds.sharpness.feasible]): the metric ball
+        $\|\xi\|_w \le \rho$ (App. C); the adaptive-norm ball $\|\xi \oslash c\|_2 \le \rho$ with
+        $\xi$ horizontal (App. G ablation (a)); the reference ℓ2 ellipsoid or ℓ∞ box of adaptive
+        sharpness (Eq. 1; `metric=None` only).
+    exact_steps : int
+        RK4 steps of `retraction="exact"`.
+    blocks : tuple of BlockSpec, optional
+        Use exactly these GL blocks instead of discovering them (`()`: none).
+    declared : tuple of BlockSpec
+        Blocks added to the discovered ones
+        ([`declare_block`][quotient_manifolds.models.blocks.declare_block]).
+    half : {"error", "float32"}
+        A float16/bfloat16 model raises `PrecisionError` (`"error"`), or runs its forward in its
+        dtype with the geometry in float32 (`"float32"`).
+    """
+
+    metric: str | None = "inv"
+    symmetry: str = "full"
+    retraction: str = "second_order"
+    eps: float = 0.0
+    adaptive_eps: float = 0.0
+    adaptive_retraction: str = "first_order"
+    ball: str = "metric"
+    exact_steps: int = 8
+    blocks: tuple | None = None
+    declared: tuple = field(default=())
+    half: str = "error"
+
+    def __post_init__(self) -> None:
+        def check(name, value, allowed):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+        check("metric", self.metric, METRICS)
+        check("symmetry", self.symmetry, SYMMETRIES)
+        check("retraction", self.retraction, RETRACTIONS)
+        check("adaptive_retraction", self.adaptive_retraction, RETRACTIONS)
+        check("ball", self.ball, BALLS)
+        check("half", self.half, HALF)
+        if self.eps < 0 or self.adaptive_eps < 0:
+            raise ValueError("eps and adaptive_eps must be non-negative, got "
+                             f"{self.eps} and {self.adaptive_eps}")
+        if int(self.exact_steps) < 1:
+            raise ValueError(f"exact_steps must be a positive integer, got {self.exact_steps}")
+        if self.ball in ("ellipsoid", "box") and self.metric is not None:
+            raise ValueError(
+                f"ball={self.ball!r} is the reference adaptive-sharpness algorithm, which has no "
+                "horizontal constraint; use it with metric=None, or use ball='metric' or "
+                "'adaptive' with GL blocks"
+            )
+        object.__setattr__(self, "eps", float(self.eps))
+        object.__setattr__(self, "adaptive_eps", float(self.adaptive_eps))
+        object.__setattr__(self, "exact_steps", int(self.exact_steps))
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", tuple(self.blocks))
+        object.__setattr__(self, "declared", tuple(self.declared))
+
+    def replace(self, **changes: Any) -> Geometry:
+        """A copy with `changes` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as a JSON-friendly dict (blocks described, not listed as objects)."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["blocks"] = None if self.blocks is None else [b.describe() for b in self.blocks]
+        out["declared"] = [b.describe() for b in self.declared]
+        if self.retraction != "exact" and self.adaptive_retraction != "exact":
+            out.pop("exact_steps")
+        return out
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> Geometry:
+        """The geometry of a settings dict (as written by `settings`, without blocks)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"blocks", "declared"}
+        return cls(**{k: v for k, v in settings.items() if k in names})

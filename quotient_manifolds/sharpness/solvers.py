@@ -1,0 +1,299 @@
+r"""Solvers of the inner problem of a sharpness measure, one per batch.
+
+* [`APGD`][quotient_manifolds.sharpness.solvers.APGD]: the worst case by Auto-PGD with the
+  reference settings (the default);
+* [`Average`][quotient_manifolds.sharpness.solvers.Average]: the average case, the mean loss over
+  Gaussian perturbations of the feasible set's geometry;
+* [`GeooptSolver`][quotient_manifolds.sharpness.solvers.GeooptSolver]: the worst case by any
+  geoopt optimizer, on one `geoopt.ManifoldParameter` over the packed perturbation whose
+  manifold, [`FeasibleSetManifold`][quotient_manifolds.sharpness.solvers.FeasibleSetManifold],
+  has the feasible set's projection as `retr` and `projx`, so the optimizer's state stays
+  consistent and the same set as APGD's is searched.
+
+Every solver records its own settings only (its `settings()`); `progress=True` shows a tqdm bar
+over the batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import geoopt
+import torch
+
+from ..errors import InvalidRadiusError
+from .apgd import apgd
+from .feasible import FeasibleSet
+
+__all__ = ["APGD", "Average", "GeooptSolver", "FeasibleSetManifold", "BatchProblem", "SOLVERS"]
+
+
+class BatchProblem(Protocol):
+    """What a solver needs from the loss of one batch."""
+
+    def loss_and_grad(self, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Loss at the perturbation `xi` and its gradient with respect to `xi`."""
+
+    def loss(self, xi: torch.Tensor) -> torch.Tensor:
+        """Loss at the perturbation `xi`, differentiable in `xi` when grad mode is on."""
+
+
+def _positive(name: str, n) -> int:
+    if int(n) < 1 or int(n) != n:
+        raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class APGD:
+    r"""Auto-PGD ([`apgd`][quotient_manifolds.sharpness.apgd.apgd]), the worst case.
+
+    Attributes
+    ----------
+    n_iter : int
+        Iterations (= gradient evaluations) per batch.
+    momentum : float
+        $\alpha$ (0.75).
+    momentum_form : {"reference", "apgd"}
+        The reference code's momentum or Croce & Hein's (Alg. 1 line 15).
+    step_mult : float
+        The initial step is $2\rho \cdot$ `step_mult`.
+    progress : bool
+        A tqdm bar over the batches.
+    """
+
+    n_iter: int = 20
+    momentum: float = 0.75
+    momentum_form: str = "reference"
+    step_mult: float = 1.0
+    progress: bool = False
+    kind: ClassVar[str] = "worst"
+
+    def __post_init__(self) -> None:
+        _positive("n_iter", self.n_iter)
+
+    def with_iterations(self, n: int) -> APGD:
+        """A copy with `n_iter = n`."""
+        return dataclasses.replace(self, n_iter=n)
+
+    def settings(self) -> dict:
+        """The settings of this solver, for the result."""
+        return {"solver": "apgd", "n_iter": self.n_iter, "step_size": f"2ρ·{self.step_mult:g}",
+                "momentum": self.momentum, "momentum_form": self.momentum_form, "init": "zero"}
+
+    def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
+              generator: torch.Generator | None = None) -> tuple[float, torch.Tensor, int]:
+        """`(best loss, maximiser, loss evaluations)` of one batch."""
+        res = apgd(problem.loss_and_grad, feasible, base_loss, n_iter=self.n_iter,
+                   momentum=self.momentum, momentum_form=self.momentum_form,
+                   step_mult=self.step_mult)
+        return float(res.best_loss), res.best_xi, self.n_iter
+
+
+@dataclass(frozen=True)
+class Average:
+    r"""The average case: the mean loss over `n` Gaussian perturbations (App. D).
+
+    The perturbations are the feasible set's `sample`s: $\rho$ times a standard Gaussian of the
+    metric on the horizontal space (metric ball), of the adaptive norm (adaptive-norm ball),
+    $\rho\, c \odot N(0, I)$ (ellipsoid) or $\rho\, c \odot U(-1, 1)$ (box).
+
+    Attributes
+    ----------
+    n : int
+        Samples per batch.
+    seed : int, optional
+        Seed of the samples (a fresh random one if `None`).
+    progress : bool
+        A tqdm bar over the batches.
+    """
+
+    n: int = 20
+    seed: int | None = None
+    progress: bool = False
+    kind: ClassVar[str] = "average"
+
+    def __post_init__(self) -> None:
+        _positive("n", self.n)
+
+    def with_iterations(self, n: int) -> Average:
+        """A copy with `n` samples."""
+        return dataclasses.replace(self, n=n)
+
+    def settings(self) -> dict:
+        return {"solver": "average", "n_samples": self.n, "seed": self.seed}
+
+    def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
+              generator: torch.Generator | None = None) -> tuple[float, None, int]:
+        vals = []
+        with torch.no_grad():
+            for _ in range(self.n):
+                vals.append(float(problem.loss(feasible.sample(generator))))
+        return sum(vals) / len(vals), None, self.n
+
+    def skip(self, feasible: FeasibleSet, generator: torch.Generator | None) -> None:
+        """Draw the samples of a batch solved elsewhere (keeps the generator in step)."""
+        for _ in range(self.n):
+            feasible.sample(generator)
+
+
+@dataclass(frozen=True)
+class GeooptSolver:
+    r"""The worst case by a geoopt optimizer.
+
+    `factory(params)` builds the optimizer, e.g.
+    `lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.05)`. It is given one
+    `geoopt.ManifoldParameter` holding the packed perturbation, whose manifold is
+    [`FeasibleSetManifold`][quotient_manifolds.sharpness.solvers.FeasibleSetManifold]: the
+    optimizer minimises $-L$, and its `retr` is the feasible set's projection. The best loss
+    over the `n_iter + 1` evaluated points is returned.
+
+    Attributes
+    ----------
+    factory : callable
+        `factory(list of parameters) -> torch.optim.Optimizer`.
+    n_iter : int
+        Optimizer steps per batch.
+    progress : bool
+        A tqdm bar over the batches.
+    """
+
+    factory: Callable[[list], torch.optim.Optimizer]
+    n_iter: int = 20
+    progress: bool = False
+    kind: ClassVar[str] = "worst"
+
+    def __post_init__(self) -> None:
+        _positive("n_iter", self.n_iter)
+
+    def with_iterations(self, n: int) -> GeooptSolver:
+        return dataclasses.replace(self, n_iter=n)
+
+    def settings(self) -> dict:
+        return {"solver": "geoopt", "optimizer": repr(self.factory), "n_iter": self.n_iter}
+
+    def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
+              generator: torch.Generator | None = None) -> tuple[float, torch.Tensor, int]:
+        p = geoopt.ManifoldParameter(feasible.zeros(), manifold=FeasibleSetManifold(feasible))
+        opt = self.factory([p])
+        best, best_xi = float(base_loss), feasible.zeros()
+        for k in range(self.n_iter + 1):
+            opt.zero_grad()
+            loss = problem.loss(p)
+            v = float(loss.detach())
+            if v > best:
+                best, best_xi = v, p.detach().clone()
+            if k == self.n_iter:
+                break
+            (-loss).backward()  # geoopt minimises
+            opt.step()
+        return best, best_xi, self.n_iter + 1
+
+
+SOLVERS = (APGD, Average, GeooptSolver)
+
+
+class FeasibleSetManifold(geoopt.manifolds.Manifold):
+    r"""A feasible set as a geoopt manifold: points are perturbations in the set.
+
+    `inner`, `proju` and `egrad2rgrad` are the set's (the metric of the base point, constant in
+    the perturbation); `retr(x, u) = projx(x + u)` with `projx` the set's projection, so every
+    geoopt optimizer stays in the set and its state is never overwritten behind its back.
+    Points are flat `(*problems, D)` vectors, or have `shape` (then flattened internally).
+    """
+
+    name = "FeasibleSet"
+    ndim = 1
+    reversible = False
+
+    def __init__(self, feasible: FeasibleSet, shape: tuple[int, ...] | None = None) -> None:
+        super().__init__()
+        if not (feasible.rho > 0 and feasible.rho < float("inf")):
+            raise InvalidRadiusError(f"radius must be positive and finite, got {feasible.rho}")
+        self.feasible = feasible
+        self.shape = None if shape is None else tuple(shape)
+        if self.shape is not None:
+            self.ndim = len(self.shape)
+
+    def extra_repr(self) -> str:
+        return f"set={self.feasible.name}, radius={self.feasible.rho:g}"
+
+    @property
+    def radius(self) -> float:
+        return self.feasible.rho
+
+    def _flat(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.shape is None else t.reshape(self.feasible.space.D)
+
+    def _back(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.shape is None else t.reshape(self.shape)
+
+    def _check_shape(self, shape, name):
+        want = self.shape if self.shape is not None else (*self.feasible.problems,
+                                                          self.feasible.space.D)
+        if tuple(shape) != tuple(want):
+            return False, f"`{name}` must have shape {tuple(want)}, got {tuple(shape)}"
+        return True, None
+
+    def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        f = self._flat(x)
+        nrm = float(self.feasible.norm(f).max())
+        if nrm > self.radius * (1 + rtol) + atol:
+            return False, f"‖ξ‖ = {nrm:.6g} exceeds the radius {self.radius:g}"
+        return self._check_vector_on_tangent(x, x, atol=atol, rtol=rtol)
+
+    def _check_vector_on_tangent(self, x, u, *, atol=1e-5, rtol=1e-5):
+        f = self._flat(u)
+        p = self.feasible.proju(f)
+        if not torch.allclose(p, f, atol=atol, rtol=rtol):
+            return False, ("vector is not horizontal: it moves under the horizontal projection "
+                           f"by {(p - f).abs().max().item():.3g}")
+        return True, None
+
+    def norm_at_base(self, u: torch.Tensor) -> torch.Tensor:
+        """The set's norm of `u` (per problem)."""
+        return self.feasible.norm(self._flat(u))
+
+    def inner(self, x, u, v=None, *, keepdim=False):
+        out = self.feasible.inner(self._flat(u), None if v is None else self._flat(v))
+        return out[(...,) + (None,) * self.ndim] if keepdim else out
+
+    def proju(self, x, u):
+        return self._back(self.feasible.proju(self._flat(u)))
+
+    def egrad2rgrad(self, x, u):
+        return self._back(self.feasible.rgrad(self._flat(u)))
+
+    def projx(self, x):
+        return self._back(self.feasible.project(self._flat(x)))
+
+    def retr(self, x, u):
+        """`projx(x + u)`: a step in the tangent space, then back into the set."""
+        return self.projx(x + u)
+
+    expmap = retr
+
+    def transp(self, x, y, v):
+        """The horizontal projection (one tangent space: no transport needed)."""
+        return self.proju(y, v)
+
+    def retr_transp(self, x, u, v):
+        y = self.retr(x, u)
+        return y, self.transp(x, y, v)
+
+    expmap_transp = retr_transp
+
+    def origin(self, *size, dtype=None, device=None, seed=42):
+        """The centre of the set."""
+        return geoopt.ManifoldTensor(self._back(self.feasible.zeros()), manifold=self)
+
+    def random(self, *size, dtype=None, device=None):
+        """A random point of the set: a sample, shrunk to half the radius."""
+        z = self.feasible.sample(None)
+        n = self.feasible.norm(z)
+        scale = 0.5 * self.radius / n.clamp_min(torch.finfo(z.dtype).tiny)
+        z = z * (scale if scale.dim() == 0 else scale.unsqueeze(-1))
+        return geoopt.ManifoldTensor(self._back(z), manifold=self)
