@@ -18,10 +18,12 @@ __all__ = [
     "EmptyDataError",
     "PrecisionError",
     "BlockSpecError",
+    "ExampleInputError",
     "DistributedError",
     "PopulationInputError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
+    "ProbeWarning",
 ]
 
 
@@ -90,6 +92,14 @@ class BlockSpecError(QuotientManifoldError, ValueError):
     """A declared GL block does not match the model's parameters."""
 
 
+class ExampleInputError(QuotientManifoldError, TypeError):
+    """No example input could be built for a model (needed by the symmetry probes).
+
+    Pass one yourself: `discover(model, example_inputs=(args, kwargs))`, a dict of keyword
+    arguments, or a tensor.
+    """
+
+
 class DistributedError(QuotientManifoldError, RuntimeError):
     """The ranks of a data-parallel sharpness call cannot work together.
 
@@ -107,10 +117,12 @@ class PopulationInputError(QuotientManifoldError, ValueError):
 
 
 class SymmetryFallbackWarning(UserWarning):
-    """Some weights lack the full GL symmetry; they use the adaptive geometry instead.
+    """An attention-like module has weights without a claimed symmetry block.
 
-    Emitted once per discovery, e.g. for rotary embeddings (no full GL(d_k) on
-    Q/K) or grouped K/V heads.  The fallbacks are recorded in the result.
+    Emitted once per module, with the reason (e.g. q/k normalisation, a norm or gate before
+    the output projection, an unrecognised layout, or a claim the function-preservation probe
+    rejected). Those weights use the adaptive geometry; the fallbacks are recorded in the
+    result.
     """
 
 
@@ -119,4 +131,12 @@ class NoBlocksWarning(UserWarning):
 
     Declare blocks with :func:`quotient_manifolds.declare_block` if the model
     has symmetries that discovery does not know about.
+    """
+
+
+class ProbeWarning(UserWarning):
+    """Some discovered blocks could not be checked by the function-preservation probe.
+
+    Discovery found them by their structure, but no example input reached their module. Pass
+    `example_inputs=` to `discover` so that every claim is verified.
     """

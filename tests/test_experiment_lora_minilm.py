@@ -82,7 +82,8 @@ def test_discovered_geometry_lora_and_merged(minilm, tweets):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
-    blocks, fallbacks = qm.models.discover(model, warn=False)
+    sym = qm.models.discover(model, warn=False)
+    blocks, fallbacks = sym.blocks, sym.fallbacks
     assert sorted((b.kind, b.heads, b.h) for b in blocks) == [("lora", 1, 4)] * 8
     assert sorted(f.module for f in fallbacks) == [f"layers.{i}.attention.self" for i in (0, 1)]
     merged = L.merge_lora(model)

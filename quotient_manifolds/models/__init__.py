@@ -4,8 +4,9 @@ Imports only from :mod:`quotient_manifolds.manifolds`, ``geometry`` and ``errors
 """
 
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block
-from .discovery import Fallback, discover, discover_blocks
+from .discovery import Fallback, Symmetries, discover, discover_blocks, rope_pairs
 from .model_geometry import ModelGeometry
+from .probe import ProbeRecord, example_inputs
 from .reparam import reparametrize
 
 __all__ = [
@@ -14,10 +15,14 @@ __all__ = [
     "FactorPart",
     "Fallback",
     "ModelGeometry",
+    "ProbeRecord",
+    "Symmetries",
     "declare_block",
     "discover",
     "discover_blocks",
+    "example_inputs",
     "gather_block",
     "reparametrize",
+    "rope_pairs",
     "scatter_block",
 ]

@@ -162,10 +162,18 @@ class ModelGeometry:
         self.dtype = torch.float64 if floats and all(d == torch.float64 for d in floats) else (
             torch.float32)
         if blocks is None:
-            self.blocks, self.fallbacks = discover(model, declared=declared, warn=warn)
+            # GL(h) blocks only until the subgroup quotient is wired in (symmetry="paper")
+            sym = discover(model, symmetry="paper", declared=declared, warn=warn)
+            self.blocks, self.fallbacks = list(sym.blocks), list(sym.fallbacks)
         else:
             self.blocks = [b.resolved(self.base) for b in list(blocks) + list(declared)]
             self.fallbacks: list[Fallback] = []
+        for b in self.blocks:
+            if b.group is not None:
+                raise BlockSpecError(
+                    f"block {b.kind!r} at {b.module!r} has a restricted group {b.group!r}; "
+                    "this geometry supports full GL(h) blocks only"
+                )
         self._check_overlap()
         self.groups = self._build_groups()
         self._build_adaptive()
