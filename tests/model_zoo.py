@@ -132,7 +132,7 @@ def minilm_data(n_batches=1, bs=4, seq=8, seed=0):
 # from configs only: nothing is downloaded.
 
 
-def redraw_(model, seed=0, gain=1.5):
+def redraw_(model, seed=0, gain=2.5):
     """Redraw every parameter in place: weights N(0, gain²/fan_in), embeddings and other
     tables N(0, 1), norm gains 1 + 0.2 N(0, 1), biases 0.2 N(0, 1). Returns the model."""
     g = torch.Generator().manual_seed(seed)

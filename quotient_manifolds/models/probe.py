@@ -119,7 +119,7 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 def _device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return p.device
-    return torch.device("cpu")
+    return torch.get_default_device()
 
 
 def _signature(fn) -> set[str]:
@@ -481,9 +481,31 @@ def _act(block: BlockSpec, params: Mapping[str, torch.Tensor], A: torch.Tensor,
 # -- the probe --------------------------------------------------------------------------------
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+
+
+def _weight_hook(fn) -> bool:
+    """Hooks that compute weights (old-style weight/spectral norm) are part of the function."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    return isinstance(fn, (WeightNorm, SpectralNorm))
+
+
 def float64_copy(model: nn.Module) -> nn.Module:
-    """A float64 deep copy of `model` in eval mode (the user's model is not touched)."""
+    """A float64 deep copy of `model` in eval mode, without the user's hooks.
+
+    The user's model is not touched, and the user's forward/backward hooks do not see the
+    probe's calls (hooks that compute weights, such as the old-style weight norm, are kept).
+    """
     new = copy.deepcopy(model)
+    for m in new.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(m, attr, None)
+            if isinstance(hooks, dict):
+                for key in [k for k, fn in hooks.items() if not _weight_hook(fn)]:
+                    del hooks[key]
     new.eval()
     return new.to(torch.float64)
 
