@@ -711,3 +711,40 @@ def test_canonicalize_and_strip_frozen():
     half = {kb: torch.arange(16) < 8}
     blocks, fbs = disc.strip_frozen(sym.blocks, half, params)
     assert len(blocks) == 3 and "part of" in fbs[0].reason
+
+
+MORE = ["gemma", "gemma2", "gemma3_text", "phi", "phi3", "gptj", "bloom", "opt", "olmo2", "mpt",
+        "modernbert", "deberta-v2", "stablelm", "starcoder2", "gpt_bigcode", "cohere", "granite",
+        "albert", "xlm-roberta", "mbart", "pegasus", "marian", "m2m_100", "mt5", "longt5",
+        "umt5"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MORE)
+def test_more_transformers_architectures(model_type):
+    """Beyond the zoo: every claim on these tiny configs is probed and passes, and whatever is
+    not claimed is recorded (q/k norm for Gemma 3 and OLMo 2)."""
+    from model_zoo import redraw_
+    from transformers import AutoConfig, AutoModel
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 vocab_size=64, max_position_embeddings=64, n_embd=32, n_layer=2, n_head=4,
+                 d_model=32, num_layers=2, num_heads=4, ffn_dim=64, encoder_layers=2,
+                 decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, n_positions=64, pad_token_id=0,
+                 bos_token_id=1, eos_token_id=2, num_key_value_heads=2,
+                 attn_implementation="eager")
+    extra = {"gptj": dict(rotary_dim=4), "gemma": dict(head_dim=8), "gemma2": dict(head_dim=8),
+             "gemma3_text": dict(head_dim=8)}.get(model_type, {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = AutoConfig.for_model(model_type, **{**small, **extra})
+        model = redraw_(AutoModel.from_config(cfg).double().eval())
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        sym = qm.discover(model)
+    assert not [w for w in rec if w.category in (qm.ProbeWarning, qm.NoBlocksWarning)]
+    assert sym.blocks and len(sym.probes) == len(sym.blocks)
+    assert all(p.passed for p in sym.probes)
+    for f in sym.fallbacks:
+        assert model_type in ("gemma3_text", "olmo2") and "q/k normalisation" in f.reason

@@ -318,20 +318,22 @@ class _Finder:
         return _Proj(self.pname(w), tr, offset, stride, self.pname(b), bias_offset)
 
     def sizes(self, m: nn.Module, q_out: int, k_out: int) -> tuple[int, int, int] | str:
+        """`(heads, kv_heads, h)`: heads from the module (or its config), the head size from
+        the module or the query width, the key/value heads from the key width."""
         cfg = getattr(m, "config", None)
-        heads = _int_attr((m, cfg), _HEADS)
+        heads = _int_attr((m,), _HEADS) or _int_attr((cfg,), _HEADS)
         if heads is None:
             return "cannot read the number of heads"
-        h = _int_attr((m,), _HEAD_DIM) or _int_attr((cfg,), ("head_dim",))
+        h = _int_attr((m,), _HEAD_DIM)
         if h is None:
-            if q_out % heads:
-                return f"query width {q_out} is not a multiple of {heads} heads"
-            h = q_out // heads
-        kv = _int_attr((m, cfg), _KV_HEADS)
-        if kv is None:
-            kv = k_out // h if k_out % h == 0 else 0
+            ch = _int_attr((cfg,), ("head_dim",))
+            h = ch if ch and ch * heads == q_out else (
+                q_out // heads if q_out % heads == 0 else None)
+        if h is None:
+            return f"query width {q_out} is not a multiple of {heads} heads"
+        kv = k_out // h if k_out % h == 0 else 0
         if kv < 1 or heads % kv:
-            return f"{kv} key/value heads do not divide {heads} query heads"
+            return f"key width {k_out} is not a divisor of {heads} heads x {h}"
         return heads, kv, h
 
     # -- families -------------------------------------------------------------------------
@@ -391,6 +393,7 @@ class _Finder:
     def separate(self, name: str, m: nn.Module) -> bool:
         sets = (("q_proj", "k_proj", "v_proj", ("o_proj", "out_proj", "proj", "dense")),
                 ("query", "key", "value", ("dense", "out_proj", "o_proj")),
+                ("query_proj", "key_proj", "value_proj", ("dense", "out_proj")),
                 ("q_lin", "k_lin", "v_lin", ("out_lin",)),
                 ("q", "k", "v", ("o", "proj", "out")))
         for qn, kn, vn, outs in sets:
@@ -399,11 +402,11 @@ class _Finder:
                 continue
             out = next((getattr(m, a) for a in outs if isinstance(getattr(m, a, None),
                                                                   nn.Module)), None)
-            out_where = f"{name}.{next((a for a in outs if getattr(m, a, None) is out), '')}"
-            if out is None and qn == "query":  # BERT: the output projection is a sibling
+            out_where = next((a for a in outs if getattr(m, a, None) is out), "")
+            if out is None and qn in ("query", "query_proj"):  # BERT: a sibling output
                 parent = self.modules.get(name.rsplit(".", 1)[0] if "." in name else "")
                 out = getattr(getattr(parent, "output", None), "dense", None)
-                out_where = "the sibling output.dense"
+                out_where = "sibling output.dense"
             lins = [_linear(_base(x)) for x in mods]
             if any(x is None for x in lins):
                 continue
@@ -512,7 +515,7 @@ class _Finder:
 
     def fused(self, name: str, m: nn.Module) -> bool:
         for qn, outs in (("qkv", ("proj", "out_proj", "o_proj")), ("qkv_proj", ("o_proj",)),
-                         ("Wqkv", ("Wo", "out_proj"))):
+                         ("Wqkv", ("Wo", "out_proj")), ("c_attn", ("c_proj",))):
             qm = getattr(m, qn, None)
             outm = next((getattr(m, a) for a in outs if isinstance(getattr(m, a, None),
                                                                    nn.Module)), None)
@@ -522,17 +525,18 @@ class _Finder:
             if lin is None or out is None:
                 continue
             cfg = getattr(m, "config", None)
-            heads = _int_attr((m, cfg), _HEADS)
+            heads = _int_attr((m,), _HEADS) or _int_attr((cfg,), _HEADS)
             if heads is None:
                 continue
             self.account(name, m)
-            kv = _int_attr((m, cfg), _KV_HEADS) or heads
-            h = _int_attr((m,), _HEAD_DIM) or _int_attr((cfg,), ("head_dim",))
-            if h is None:
-                h = lin[4] // (heads + 2 * kv) if lin[4] % (heads + 2 * kv) == 0 else 0
-            if h < 1 or heads % kv or lin[4] != (heads + 2 * kv) * h or out[3] != heads * h:
-                self.fallback(name, "attention", f"{qn}/{outs[0]} widths do not match "
-                              f"{heads} query and {kv} key/value heads")
+            h = _int_attr((m,), _HEAD_DIM) or (out[3] // heads if out[3] % heads == 0 else 0)
+            rest = lin[4] // h - heads if h and lin[4] % h == 0 else -1
+            kv = rest // 2 if rest > 0 and rest % 2 == 0 else 0
+            if (kv < 1 or heads % kv or lin[4] != (heads + 2 * kv) * h
+                    or out[3] != heads * h):
+                self.fallback(name, "attention", f"{qn}/{outs[0]} widths "
+                              f"({lin[4]}, {out[3]}) do not match {heads} query heads and "
+                              "equal key/value head counts")
                 return True
             a, c = heads * h, kv * h
             q, k, v = (self.proj(lin, o) for o in (0, a, a + c))
@@ -595,9 +599,9 @@ class _Finder:
         src = _source(type(m).forward)
         if not _ROTARY_USE.search(src):
             return None
-        fn = sys.modules.get(type(m).__module__)
-        fn = getattr(fn, "apply_rotary_pos_emb", None) if fn is not None else None
-        fsrc = src + (_source(fn) if fn is not None else "")
+        mod = sys.modules.get(type(m).__module__)
+        fsrc = src + "".join(_source(getattr(mod, f)) for f in (
+            "apply_rotary_pos_emb", "rotate_half", "rotate_every_two") if hasattr(mod, f))
         if "rotate_every_two" in fsrc or re.search(r"\[\s*\.\.\.\s*,\s*::\s*2\s*\]", fsrc):
             interleaved = True
         elif "rotate_half" in fsrc:
@@ -614,8 +618,9 @@ class _Finder:
                 cfg, "rotary_pct", None)
             rd = getattr(cfg, "rotary_dim", None)
             r = int(rd) if rd else int(h * float(factor)) if factor else h
-        if r % 2 or r > h:
-            return f"rotary dimension {r} of {type(m).__name__} is odd or exceeds h = {h}"
+        r = min(r, h)  # the rotated slice [..., :r] of a head is at most the head
+        if r % 2:
+            return f"rotary dimension {r} of {type(m).__name__} is odd"
         return rope_pairs(h, r, interleaved=interleaved)
 
     def _model_has_rope(self, name: str) -> bool:

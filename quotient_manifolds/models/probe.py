@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 
 from ..errors import ExampleInputError
 from ..geometry.linalg import transpose
@@ -54,6 +55,7 @@ __all__ = [
     "preserves_function",
     "random_group_element",
     "probe_blocks",
+    "tolerance",
     "float64_copy",
 ]
 
@@ -64,6 +66,7 @@ PROBE_EXCITATION = 1e-3
 """Smallest relative output change the non-symmetric control must cause."""
 
 _SCALES = (1.0, 8.0, 64.0)
+_RATIO = 1e-4  # a symmetric change must move the output 10⁴ times less than the control
 _HIDDEN_NAMES = frozenset({
     "hidden_states", "hidden_state", "encoder_hidden_states", "key_value_states", "x",
     "query", "key", "value", "input", "inputs", "src", "tgt", "memory",
@@ -72,7 +75,7 @@ _HIDDEN_NAMES = frozenset({
 
 @dataclass(frozen=True)
 class ProbeRecord:
-    """The outcome of one block's function-preservation probe.
+    r"""The outcome of one block's function-preservation probe.
 
     Attributes
     ----------
@@ -84,13 +87,17 @@ class ProbeRecord:
         Relative output change under a random element of the claimed group (`nan` if the
         module could not be run).
     control : float
-        Relative output change under the one-sided, non-symmetric change $G \\mapsto G A^{-1}$.
+        Relative output change under the one-sided, non-symmetric change $G \mapsto G A^{-1}$.
     scale : float
         Factor by which the hidden-state inputs were scaled for the final measurement.
     passed : bool
-        `error <= PROBE_RTOL` and `control >= PROBE_EXCITATION`.
+        `error <= tolerance`, `control >= PROBE_EXCITATION` and `error <= 1e-4 control`.
     reason : str
         Why it failed (empty when it passed).
+    tolerance : float
+        `PROBE_RTOL` ($10^{-10}$) for a module that computes in float64 throughout; for one
+        that casts to a lower precision inside (e.g. a rotary embedding in float32), $100
+        \epsilon$ of that precision.
     """
 
     module: str
@@ -101,6 +108,7 @@ class ProbeRecord:
     scale: float
     passed: bool
     reason: str = ""
+    tolerance: float = PROBE_RTOL
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -591,6 +599,33 @@ def _local(prefix: str, params: Mapping[str, torch.Tensor], names: Iterable[str]
     return {n[cut:]: params[n] for n in names}
 
 
+class _Precision(TorchFunctionMode):
+    """Records the lowest floating precision of any tensor a call produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eps = float(torch.finfo(torch.float64).eps)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.eps = max(self.eps, float(torch.finfo(t.dtype).eps))
+        return out
+
+
+def tolerance(module: nn.Module, params, args, kwargs) -> float:
+    r"""The probe's tolerance for `module`: `PROBE_RTOL` if it computes in float64 throughout,
+    else $100\,\epsilon$ of the lowest precision it uses (some models run their rotary
+    embedding in float32 even in a float64 model)."""
+    mode = _Precision()
+    with mode:
+        _run(module, params, args, kwargs)
+    if mode.eps <= float(torch.finfo(torch.float64).eps):
+        return PROBE_RTOL
+    return max(PROBE_RTOL, 100.0 * mode.eps)
+
+
 def _probe_one(block, module, prefix, call, params, gen) -> ProbeRecord:
     names = block.params
     base = _redraw(params, names, gen)
@@ -608,17 +643,19 @@ def _probe_one(block, module, prefix, call, params, gen) -> ProbeRecord:
         ref = _relative(y0, _run(module, pc, a, kw))
         if ref >= PROBE_EXCITATION:
             break
-    if not math.isfinite(err) or err > PROBE_RTOL:
-        reason = (f"a random element of the claimed group changes the output of "
-                  f"{prefix or '<root>'} by {err:.2e} (relative; allowed {PROBE_RTOL:.0e})")
+    tol = PROBE_RTOL if err <= PROBE_RTOL else tolerance(module, pa, a, kw)
+    where = prefix or "<root>"
+    if not math.isfinite(err) or err > tol:
+        reason = (f"a random element of the claimed group changes the output of {where} by "
+                  f"{err:.2e} (relative; allowed {tol:.0e}; a non-symmetric change: {ref:.2e})")
         passed = False
-    elif ref < PROBE_EXCITATION:
+    elif ref < PROBE_EXCITATION or err > _RATIO * ref:
         reason = (f"the probe cannot excite the block: a non-symmetric change moves the output "
-                  f"of {prefix or '<root>'} by only {ref:.2e}")
+                  f"of {where} by only {ref:.2e} (the claimed symmetry: {err:.2e})")
         passed = False
     else:
         reason, passed = "", True
-    return ProbeRecord(block.module, block.kind, prefix, err, ref, scale, passed, reason)
+    return ProbeRecord(block.module, block.kind, prefix, err, ref, scale, passed, reason, tol)
 
 
 def probe_blocks(
