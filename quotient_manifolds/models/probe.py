@@ -710,7 +710,7 @@ def probe_blocks(
         try:
             calls = capture_module_calls(work, inputs, prefixes)
         except Exception:  # noqa: BLE001 — a model that rejects the guessed input
-            calls = {}
+            calls = _capture_float32(model, inputs, prefixes) if copy_model else {}
     dims = dict(input_dims or {})
     out: list[ProbeRecord | None] = []
     for b, prefix in zip(blocks, prefixes):
@@ -733,18 +733,30 @@ def probe_blocks(
     return out
 
 
+def _cast_tree(v, dtype, device):
+    if isinstance(v, torch.Tensor):
+        v = v if device is None else v.to(device)
+        return v.to(dtype) if v.is_floating_point() else v
+    if isinstance(v, (tuple, list)):
+        return type(v)(_cast_tree(x, dtype, device) for x in v)
+    if isinstance(v, dict):
+        return {k: _cast_tree(x, dtype, device) for k, x in v.items()}
+    return v
+
+
 def _cast_inputs(inputs, model) -> tuple[tuple, dict]:
     args, kwargs = normalize_inputs(inputs)
     dtype, device = _float_dtype(model), _device(model)
+    return _cast_tree(tuple(args), dtype, device), _cast_tree(dict(kwargs), dtype, device)
 
-    def cast(v):
-        if isinstance(v, torch.Tensor):
-            v = v.to(device)
-            return v.to(dtype) if v.is_floating_point() else v
-        if isinstance(v, (tuple, list)):
-            return type(v)(cast(x) for x in v)
-        if isinstance(v, dict):
-            return {k: cast(x) for k, x in v.items()}
-        return v
 
-    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+def _capture_float32(model, inputs, prefixes) -> dict:
+    """Capture in float32 when the model cannot run in float64 as a whole (e.g. grouped
+    expert matmuls); the captured inputs are cast to float64 for the module-level probes."""
+    try:
+        cap = float64_copy(model).to(torch.float32)
+        calls = capture_module_calls(cap, _cast_inputs(inputs, cap), prefixes)
+    except Exception:  # noqa: BLE001 — the model does not run on this input at all
+        return {}
+    return {k: (_cast_tree(a, torch.float64, None), _cast_tree(kw, torch.float64, None), None)
+            for k, (a, kw, _) in calls.items()}
