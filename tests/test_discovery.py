@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_zoo import ZOO
 from torch import nn
 
@@ -588,6 +590,34 @@ def test_discover_leaves_the_model_untouched():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_float64_internals_and_tolerance():
+    from quotient_manifolds.models.probe import PROBE_RTOL, float64_internals, tolerance
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with float64_internals():
+        assert x.float().dtype == torch.float64
+        assert x.to(torch.float32).dtype == torch.float64
+        assert x.to("cpu", torch.float16).dtype == torch.float64
+        assert x.type_as(torch.zeros(1, dtype=torch.float32)).dtype == torch.float64
+        assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
+        assert torch.zeros(2, dtype=torch.float32).dtype == torch.float32  # not a downcast
+
+    class Casts(nn.Module):
+        def __init__(self, escape):
+            super().__init__()
+            self.lin, self.escape = nn.Linear(4, 4).double(), escape
+
+        def forward(self, x):
+            y = self.lin(x).float()  # widened inside the probe
+            if self.escape:  # a fresh float32 buffer: cannot be widened
+                y = torch.empty(y.shape, dtype=torch.float32).copy_(y)
+            return y
+
+    assert tolerance(Casts(False), {}, (x,), {}) == PROBE_RTOL
+    assert tolerance(Casts(True), {}, (x,), {}) == pytest.approx(
+        100 * torch.finfo(torch.float32).eps)
+
+
 # -- blocks ---------------------------------------------------------------------------------------
 
 
@@ -630,6 +660,30 @@ def test_factor_part_matches_index_arithmetic(layout, stride, stack, offset):
     assert torch.equal(new[~mask], t[~mask])
     g = torch.autograd.grad((new * new.detach()).sum(), t)[0]  # differentiable, out of place
     assert torch.equal(g[mask], torch.zeros_like(g[mask]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=st.sampled_from(["rows", "cols", "bias", "elem"]), heads=st.integers(1, 3),
+       h=st.integers(1, 4), extra=st.integers(0, 3), stack=st.integers(1, 3),
+       offset=st.integers(0, 3), other=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_factor_part_roundtrip_property(layout, heads, h, extra, stack, offset, other, seed):
+    """read(write(t, v)) = v, untouched entries stay, the mask covers exactly the part; for
+    every layout, stride (0 or h + extra) and stack."""
+    h = 1 if layout == "elem" else h
+    stride = 0 if extra == 0 else h + extra
+    part = FactorPart("w", layout, offset, stride, stack)
+    size = offset + part.span(heads, h) + 1
+    g = torch.Generator().manual_seed(seed)
+    shape = {"rows": (size, other), "cols": (other, size)}.get(layout, (size,))
+    t = torch.randn(*shape, generator=g, dtype=torch.float64)
+    got = part.read(t, heads, h)
+    assert torch.equal(got, _naive(part, t, heads, h))
+    value = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    new = part.write(t, value)
+    assert torch.equal(part.read(new, heads, h), value)
+    mask = torch.zeros(t.shape, dtype=torch.bool)
+    part.mark(mask, heads, h)
+    assert int(mask.sum()) == value.numel() and torch.equal(new[~mask], t[~mask])
 
 
 def test_declare_block_one_liners_match_discovery():

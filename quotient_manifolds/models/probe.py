@@ -56,6 +56,7 @@ __all__ = [
     "random_group_element",
     "probe_blocks",
     "tolerance",
+    "float64_internals",
     "float64_copy",
 ]
 
@@ -403,8 +404,46 @@ def _first_float(out) -> torch.Tensor | None:
     return None
 
 
+_LOW_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_DOWNCASTS = (torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16)
+
+
+def _widen(v):
+    return torch.float64 if isinstance(v, torch.dtype) and v in _LOW_FLOATS else v
+
+
+class float64_internals(TorchFunctionMode):
+    """Inside this context, float64 tensors are not cast down to a lower float precision.
+
+    Many models compute part of a forward pass in float32 whatever their dtype (eager
+    attention's `softmax(..., dtype=torch.float32)`, RMS norms, rotary embeddings that call
+    `.float()`); in a float64 probe such a cast rounds every output to float32 and would hide a
+    break below $10^{-7}$. Casts of a float64 tensor (`.float()`, `.half()`, `.bfloat16()`,
+    `.to(dtype)`, `.to(other)`, `.type_as(other)`, `dtype=` arguments) keep float64 here;
+    everything else runs unchanged.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and first.dtype == torch.float64:
+            if func in _DOWNCASTS:
+                return first
+            if func is torch.Tensor.type_as and args[1].dtype in _LOW_FLOATS:
+                return first.to(args[1].device)
+            if func is torch.Tensor.to:
+                if len(args) > 1 and isinstance(args[1], torch.Tensor):
+                    if args[1].dtype in _LOW_FLOATS:
+                        args = (first, args[1].device, torch.float64, *args[2:])
+                else:
+                    args = tuple(_widen(a) for a in args)
+            if "dtype" in kwargs:
+                kwargs["dtype"] = _widen(kwargs["dtype"])
+        return func(*args, **kwargs)
+
+
 def _run(module, params, args, kwargs) -> torch.Tensor:
-    with torch.no_grad(), _no_fastpath():
+    with torch.no_grad(), _no_fastpath(), float64_internals():
         out = functional_call(module, params, tuple(args), dict(kwargs), strict=False)
     t = _first_float(out)
     if t is None:
@@ -466,8 +505,14 @@ def random_group_element(
 
     $X$ has i.i.d. $\mathcal N(0, \mathrm{scale}^2/h)$ entries, projected onto the subalgebra
     when `group` is given (`None`: all of $\mathfrak{gl}(h)$), so $A$ is invertible and
-    well conditioned (condition number about $e^{4\,\mathrm{scale}}$).
+    well conditioned. A subalgebra with its own `random_element(generator, scale=, dtype=,
+    batch=)` sampler is asked for the elements instead.
     """
+    if group is not None and hasattr(group, "random_element"):
+        try:  # the subalgebra's own sampler, where it has one
+            return group.random_element(generator, scale=scale, dtype=dtype, batch=(heads,))
+        except (NotImplementedError, TypeError):
+            pass
     X = torch.randn(heads, h, h, generator=generator, dtype=dtype) * (scale / math.sqrt(h))
     if group is not None:
         X = group.project(X)
