@@ -60,7 +60,7 @@ from torch import nn
 from ..errors import BlockSpecError, NoBlocksWarning, ProbeWarning, SymmetryFallbackWarning
 from ..geometry.subgroup import RotaryCommutant
 from .blocks import BlockSpec, FactorPart
-from .probe import ProbeRecord, probe_blocks
+from .probe import ProbeRecord, normalize_inputs, probe_blocks
 
 __all__ = [
     "SYMMETRIES",
@@ -874,7 +874,8 @@ def discover(
     if symmetry == "full":
         from .canonical import find_folds  # canonical may import this module
 
-        folds, fold_fallbacks = find_folds(model, blocks, example_inputs=example_inputs)
+        inputs = None if example_inputs is None else normalize_inputs(example_inputs)
+        folds, fold_fallbacks = find_folds(model, blocks, example_inputs=inputs)
         folds = list(folds)
         fallbacks += list(fold_fallbacks)
         if folds:
@@ -903,13 +904,16 @@ def discover_blocks(
     *,
     declared: Iterable[BlockSpec] = (),
     warn: bool = True,
-    symmetry: str = "full",
+    symmetry: str = "paper",
     probe: bool = True,
     example_inputs=None,
 ) -> list[BlockSpec]:
-    """The blocks of `model`: `discover(model, ...).blocks` as a list.
+    """The blocks of `model` as a list: `discover(model, symmetry="paper", ...).blocks`.
 
-    Parameters are those of [discover][quotient_manifolds.models.discovery.discover].
+    By default the paper's blocks: GL(h) per recognised head, bias rows included, no folds
+    (what the paper's measure and the mapping checks use). `symmetry="full"` gives the blocks
+    of [discover][quotient_manifolds.models.discovery.discover] (rotary and grouped blocks,
+    frozen bias rows removed when folds apply). The other parameters are those of `discover`.
 
     Returns
     -------

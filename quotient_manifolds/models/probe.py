@@ -58,6 +58,7 @@ __all__ = [
     "tolerance",
     "float64_internals",
     "float64_copy",
+    "normalize_inputs",
 ]
 
 PROBE_RTOL = 1e-10
