@@ -106,6 +106,10 @@ class Symmetries:
         rejected ones).
     symmetry : str
         `"full"` or `"paper"`.
+    discovered : tuple of BlockSpec
+        The verified blocks before the frozen parts were removed (bias rows included): what
+        [find_folds][quotient_manifolds.models.canonical.find_folds] and the mapping checks
+        read. Equal to `blocks` when there are no folds.
     """
 
     blocks: tuple[BlockSpec, ...]
@@ -113,6 +117,7 @@ class Symmetries:
     folds: tuple = ()
     probes: tuple[ProbeRecord, ...] = ()
     symmetry: str = "full"
+    discovered: tuple[BlockSpec, ...] = ()
 
     def canonicalize(
         self, params: Mapping[str, torch.Tensor]
@@ -869,6 +874,7 @@ def discover(
                 stacklevel=2,
             )
     blocks += decl
+    discovered = tuple(blocks)
     fallbacks = list(f.fallbacks)
     folds: list = []
     if symmetry == "full":
@@ -896,7 +902,8 @@ def discover(
                 NoBlocksWarning,
                 stacklevel=2,
             )
-    return Symmetries(tuple(blocks), tuple(fallbacks), tuple(folds), tuple(records), symmetry)
+    return Symmetries(tuple(blocks), tuple(fallbacks), tuple(folds), tuple(records), symmetry,
+                      discovered)
 
 
 def discover_blocks(
@@ -904,16 +911,17 @@ def discover_blocks(
     *,
     declared: Iterable[BlockSpec] = (),
     warn: bool = True,
-    symmetry: str = "paper",
+    symmetry: str = "full",
     probe: bool = True,
     example_inputs=None,
 ) -> list[BlockSpec]:
-    """The blocks of `model` as a list: `discover(model, symmetry="paper", ...).blocks`.
+    """The verified blocks of `model` as discovered, bias rows included.
 
-    By default the paper's blocks: GL(h) per recognised head, bias rows included, no folds
-    (what the paper's measure and the mapping checks use). `symmetry="full"` gives the blocks
-    of [discover][quotient_manifolds.models.discovery.discover] (rotary and grouped blocks,
-    frozen bias rows removed when folds apply). The other parameters are those of `discover`.
+    `discover(model, ...).discovered` as a list: with `symmetry="full"` the rotary and grouped
+    blocks too, with `"paper"` GL(h) per recognised head only. Unlike `discover(...).blocks`,
+    the parts that canonicalisation folds freeze (key and value bias rows) are kept, as in the
+    paper's factors (App. A, App. C). The parameters are those of
+    [discover][quotient_manifolds.models.discovery.discover].
 
     Returns
     -------
@@ -921,4 +929,4 @@ def discover_blocks(
         One spec per module and kind, covering all heads; `n` and `m` resolved.
     """
     return list(discover(model, symmetry=symmetry, declared=declared, warn=warn, probe=probe,
-                         example_inputs=example_inputs).blocks)
+                         example_inputs=example_inputs).discovered)
