@@ -881,7 +881,12 @@ def discover(
         from .canonical import find_folds  # canonical may import this module
 
         inputs = None if example_inputs is None else normalize_inputs(example_inputs)
-        folds, fold_fallbacks = find_folds(model, blocks, example_inputs=inputs)
+        try:
+            folds, fold_fallbacks = find_folds(model, blocks, example_inputs=inputs)
+        except Exception as e:  # noqa: BLE001 — recorded and warned, never silent
+            folds, fold_fallbacks = [], [Fallback("", "folds", (
+                f"the search for canonicalisation folds failed ({type(e).__name__}: {e}); "
+                "norm gains and bias translations are not removed; pass example_inputs="))]
         folds = list(folds)
         fallbacks += list(fold_fallbacks)
         if folds:
