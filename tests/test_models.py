@@ -238,11 +238,11 @@ def test_llama_gqa_and_rotary_paper_mode_falls_back_per_module():
     with pytest.warns(qm.NoBlocksWarning), pytest.warns(
         qm.SymmetryFallbackWarning, match="grouped K/V heads"
     ) as rec:
-        geo = qm.ModelGeometry(_llama(2))
+        sym = qm.discover(_llama(2), symmetry="paper")
     msgs = [str(w.message) for w in rec if w.category is qm.SymmetryFallbackWarning]
     assert len(msgs) == 2 and all(f"layers.{i}.self_attn" in msgs[i] for i in (0, 1))
-    assert geo.blocks == []
-    assert {(f.module, f.kind) for f in geo.fallbacks} >= {
+    assert sym.blocks == ()
+    assert {(f.module, f.kind) for f in sym.fallbacks} >= {
         (f"layers.{i}.self_attn", k) for i in (0, 1) for k in ("attention.qk", "attention.vo")}
     with pytest.warns(qm.SymmetryFallbackWarning, match="rotary"):
         blocks = qm.discover_blocks(_llama(4), symmetry="paper")
