@@ -644,6 +644,12 @@ class _Finder:
         paper = self.symmetry == "paper"
         name = att.module
         note = att.layout
+        not_param = ("a projection weight is not a parameter of the model (a buffer or a tensor "
+                     "attribute)")
+        if not att.qk_reason and (att.q.weight is None or att.k.weight is None):
+            att.qk_reason = not_param
+        if not att.vo_reason and (att.v.weight is None or (att.o and att.o.weight is None)):
+            att.vo_reason = not_param
         if att.qk_reason:
             self.fallback(name, "attention.qk", att.qk_reason)
         elif paper and att.pairs:
