@@ -21,6 +21,7 @@ __all__ = [
     "ExampleInputError",
     "DistributedError",
     "PopulationInputError",
+    "MissingDependencyError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
     "ProbeWarning",
@@ -39,7 +40,7 @@ class RankDeficientError(QuotientManifoldError, ArithmeticError):
     """A factor of a GL(h) block does not have full column rank.
 
     The quotient geometry needs invertible Gram matrices ``GᵀG`` and ``HᵀH``.
-    Pass ``eps > 0`` to use the relaxation ``GᵀG + eps·I`` (spec §5.3.1).
+    Pass ``eps > 0`` to use the [relaxation][eps-relaxation] ``GᵀG + eps·I``.
     """
 
 
@@ -116,6 +117,15 @@ class PopulationInputError(QuotientManifoldError, ValueError):
     """
 
 
+class MissingDependencyError(QuotientManifoldError, ImportError):
+    """An optional package that a feature needs is not installed.
+
+    The message names the feature, the package and the `pip` line that installs it (the
+    extras of `pyproject.toml`: `hf`, `vision`, `plots`). The command line prints it as one
+    line and exits with status 2.
+    """
+
+
 class SymmetryFallbackWarning(UserWarning):
     """An attention-like module has weights without a claimed symmetry block.
 
@@ -129,8 +139,8 @@ class SymmetryFallbackWarning(UserWarning):
 class NoBlocksWarning(UserWarning):
     """No GL block was found in a model; every weight uses the adaptive geometry.
 
-    Declare blocks with :func:`quotient_manifolds.declare_block` if the model
-    has symmetries that discovery does not know about.
+    Declare blocks with [`quotient_manifolds.declare_block`][quotient_manifolds.declare_block] if
+    the model has symmetries that discovery does not know about.
     """
 
 

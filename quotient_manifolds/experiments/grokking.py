@@ -28,6 +28,7 @@ radii :data:`RHO` (fixed before any τ was computed).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deps import pyplot
 from .sharpness_suite import (
     MEASURES,
     finish_population,
@@ -61,6 +63,8 @@ __all__ = [
 ]
 
 NAME = "grokking"
+REQUIRES = ("safetensors", "matplotlib")
+"""Optional packages this experiment needs (checked before it runs)."""
 #: radii of the three norms (fixed before any τ was computed; see docs/results/grokking.md)
 RHO = {"adaptive": 1.0, "inv": 0.2, "mix": 0.1}
 #: multipliers of ρ for the three main measures (robustness of τ to ρ; headline at 1)
@@ -186,10 +190,7 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def _curves_figure(records: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the grokking experiment")
 
     fig, ax = plt.subplots(1, 1, figsize=(5.2, 3.4))
     for r in records:
@@ -271,7 +272,7 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
         rec["measures"] = measure_member(
             model, _loss, [(x, y)], rho=RHO, grid=grid, n_iter=n_iter, seed=0,
             cached=store.load_measures(mid, mhash),
-            save=lambda v, mid=mid: store.save_measures(mid, mhash, v), bar=bar)
+            save=functools.partial(store.save_measures, mid, mhash), bar=bar)
         records.append(rec)
     bar.close()
 
