@@ -28,7 +28,7 @@ With `symmetry="full"` (the default) discovery also claims
   ([RotaryCommutant][quotient_manifolds.geometry.subgroup.RotaryCommutant]), with the pairs
   read from the model (rotate-half $(i, i + r/2)$ or interleaved $(2i, 2i+1)$ on the first $r$
   rotary dimensions; the others are free);
-* the canonicalisation folds of [find_folds][quotient_manifolds.models.canonical.find_folds].
+* the canonicalisation folds of `find_folds` (`models/canonical.py`).
 
 `symmetry="paper"` claims GL(h) per recognised head only, with the bias rows appended (the
 paper's measure); rotary and grouped heads then fall back.
@@ -108,7 +108,7 @@ class Symmetries:
         `"full"` or `"paper"`.
     discovered : tuple of BlockSpec
         The verified blocks before the frozen parts were removed (bias rows included): what
-        [find_folds][quotient_manifolds.models.canonical.find_folds] and the mapping checks
+        `find_folds` (`models/canonical.py`) and the mapping checks
         read. Equal to `blocks` when there are no folds.
     """
 
