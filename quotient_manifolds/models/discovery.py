@@ -53,6 +53,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -802,7 +803,7 @@ def discover(
     declared: Iterable[BlockSpec] = (),
     warn: bool = True,
     probe: bool = True,
-    example_inputs=None,
+    example_inputs: Any = None,
 ) -> Symmetries:
     """The symmetries of `model`: verified blocks, fallbacks and canonicalisation folds.
 
@@ -924,7 +925,7 @@ def discover_blocks(
     warn: bool = True,
     symmetry: str = "full",
     probe: bool = True,
-    example_inputs=None,
+    example_inputs: Any = None,
 ) -> list[BlockSpec]:
     """The verified blocks of `model` as discovered, bias rows included.
 

@@ -310,7 +310,7 @@ def example_inputs(model: nn.Module, generator: torch.Generator | None = None
     return out
 
 
-def normalize_inputs(inputs) -> tuple[tuple, dict]:
+def normalize_inputs(inputs: Any) -> tuple[tuple, dict]:
     """`(args, kwargs)` from a tensor, a tuple of positional arguments, a dict of keyword
     arguments, or an `(args, kwargs)` pair."""
     if isinstance(inputs, torch.Tensor):
@@ -660,7 +660,8 @@ class _Precision(TorchFunctionMode):
         return out
 
 
-def tolerance(module: nn.Module, params, args, kwargs) -> float:
+def tolerance(module: nn.Module, params: Mapping[str, torch.Tensor], args: Sequence,
+              kwargs: Mapping) -> float:
     r"""The probe's tolerance for `module`: `PROBE_RTOL` if it computes in float64 throughout,
     else $100\,\epsilon$ of the lowest precision it uses (some models run their rotary
     embedding in float32 even in a float64 model)."""
