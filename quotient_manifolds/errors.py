@@ -19,6 +19,7 @@ __all__ = [
     "PrecisionError",
     "BlockSpecError",
     "SubalgebraError",
+    "ExampleInputError",
     "DistributedError",
     "PopulationInputError",
     "MissingDependencyError",
@@ -28,6 +29,7 @@ __all__ = [
     "SingleBatchError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
+    "ProbeWarning",
 ]
 
 
@@ -106,6 +108,14 @@ class SubalgebraError(QuotientManifoldError, ValueError):
     """
 
 
+class ExampleInputError(QuotientManifoldError, TypeError):
+    """No example input could be built for a model (needed by the symmetry probes).
+
+    Pass one yourself: `discover(model, example_inputs=(args, kwargs))`, a dict of keyword
+    arguments, or a tensor.
+    """
+
+
 class DistributedError(QuotientManifoldError, RuntimeError):
     """The ranks of a data-parallel sharpness call cannot work together.
 
@@ -165,10 +175,12 @@ class SingleBatchError(QuotientManifoldError, TypeError):
 
 
 class SymmetryFallbackWarning(UserWarning):
-    """Some weights lack the full GL symmetry; they use the adaptive geometry instead.
+    """An attention-like module has weights without a claimed symmetry block.
 
-    Emitted once per discovery, e.g. for rotary embeddings (no full GL(d_k) on
-    Q/K) or grouped K/V heads.  The fallbacks are recorded in the result.
+    Emitted once per module, with the reason (e.g. q/k normalisation, a norm or gate before
+    the output projection, an unrecognised layout, or a claim the function-preservation probe
+    rejected). Those weights use the adaptive geometry; the fallbacks are recorded in the
+    result.
     """
 
 
@@ -177,4 +189,12 @@ class NoBlocksWarning(UserWarning):
 
     Declare blocks with [`quotient_manifolds.declare_block`][quotient_manifolds.declare_block] if
     the model has symmetries that discovery does not know about.
+    """
+
+
+class ProbeWarning(UserWarning):
+    """Some discovered blocks could not be checked by the function-preservation probe.
+
+    Discovery found them by their structure, but no example input reached their module. Pass
+    `example_inputs=` to `discover` so that every claim is verified.
     """

@@ -6,7 +6,8 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/manifolds.md", "docs/index.md", "docs/adapters.md", "docs/subgroups.md"]
+PAGES = ["README.md", "docs/manifolds.md", "docs/index.md", "docs/adapters.md",
+         "docs/subgroups.md", "docs/symmetries.md"]
 
 
 def _blocks(page):

@@ -85,9 +85,12 @@ def test_discovered_geometry_lora_and_merged(minilm, tweets):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
-    blocks, fallbacks = qm.models.discover(model, warn=False)
+    sym = qm.models.discover(model, warn=False)
+    blocks, fallbacks = sym.blocks, sym.fallbacks
     assert sorted((b.kind, b.heads, b.h) for b in blocks) == [("lora", 1, 4)] * 8
-    assert sorted(f.module for f in fallbacks) == [f"layers.{i}.attention.self" for i in (0, 1)]
+    attention = [f for f in fallbacks if f.kind.startswith("attention")]
+    assert sorted({f.module for f in attention}) == [f"layers.{i}.attention.self" for i in (0, 1)]
+    assert all("wrapped by LoRA" in f.reason for f in attention)
     merged = L.merge_lora(model)
     with torch.no_grad():
         torch.testing.assert_close(merged(hidden, mask), model(hidden, mask), rtol=1e-5,

@@ -232,17 +232,24 @@ def _llama(kv_heads):
     return LlamaModel(cfg)
 
 
-def test_llama_gqa_and_rotary_fall_back():
+def test_llama_gqa_and_rotary_paper_mode_falls_back_per_module():
+    """The paper's measure (GL(h) blocks only) has no block for grouped or rotary heads; each
+    attention module warns once, naming itself."""
     with pytest.warns(qm.NoBlocksWarning), pytest.warns(
         qm.SymmetryFallbackWarning, match="grouped K/V heads"
     ) as rec:
-        geo = qm.ModelGeometry(_llama(2))
-    assert len([w for w in rec if w.category is qm.SymmetryFallbackWarning]) == 1  # once
-    assert geo.blocks == []
-    assert len(geo.fallbacks) >= 2
+        sym = qm.discover(_llama(2), symmetry="paper")
+    msgs = [str(w.message) for w in rec if w.category is qm.SymmetryFallbackWarning]
+    assert len(msgs) == 2 and all(f"layers.{i}.self_attn" in msgs[i] for i in (0, 1))
+    assert sym.blocks == ()
+    assert {(f.module, f.kind) for f in sym.fallbacks} >= {
+        (f"layers.{i}.self_attn", k) for i in (0, 1) for k in ("attention.qk", "attention.vo")}
     with pytest.warns(qm.SymmetryFallbackWarning, match="rotary"):
-        blocks = qm.discover_blocks(_llama(4))
+        blocks = qm.discover_blocks(_llama(4), symmetry="paper")
     assert [b.kind for b in blocks] == ["attention.vo", "attention.vo"]
+    full = qm.discover(_llama(2))
+    assert [(b.kind, b.heads, b.group is not None) for b in full.blocks] == [
+        ("attention.qk", 2, True), ("attention.vo", 2, False)] * 2
 
 
 def test_model_without_blocks_warns_and_records():

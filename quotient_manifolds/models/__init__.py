@@ -5,8 +5,9 @@ Imports only from :mod:`quotient_manifolds.manifolds`, ``geometry`` and ``errors
 
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block
 from .config import Geometry
-from .discovery import Fallback, discover, discover_blocks
+from .discovery import Fallback, Symmetries, discover, discover_blocks, rope_pairs
 from .model_geometry import ModelGeometry, select_parameters
+from .probe import ProbeRecord, example_inputs
 from .reparam import reparametrize
 
 __all__ = [
@@ -16,11 +17,15 @@ __all__ = [
     "Fallback",
     "Geometry",
     "ModelGeometry",
+    "ProbeRecord",
+    "Symmetries",
     "declare_block",
     "discover",
     "discover_blocks",
+    "example_inputs",
     "gather_block",
     "reparametrize",
+    "rope_pairs",
     "scatter_block",
     "select_parameters",
 ]

