@@ -216,7 +216,9 @@ class NormGainFold(Fold):
 
     @property
     def params(self) -> tuple[str, ...]:
-        names = [self.weight, self.bias] + [n for c in self.consumers for n in (c.weight, c.bias)]
+        names = [self.weight, self.bias] + [c.weight for c in self.consumers]
+        if self.shift == "fold":
+            names += [c.bias for c in self.consumers]
         return tuple(dict.fromkeys(n for n in names if n is not None))
 
     def frozen(self, params: Params) -> dict[str, torch.Tensor]:
@@ -653,8 +655,8 @@ def _default_inputs(model: nn.Module, generator: torch.Generator) -> tuple[tuple
         if not (mel and pos):
             return None
         kw["input_features"] = torch.randn(2, mel, 2 * pos, generator=generator)
-    elif cfg is None and hasattr(model, "pretrained_cfg"):  # timm
-        size = model.pretrained_cfg.get("input_size")
+    elif cfg is None and (hasattr(model, "pretrained_cfg") or hasattr(model, "patch_embed")):
+        size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size")  # timm
         pe = getattr(model, "patch_embed", None)
         img = getattr(pe, "img_size", None)
         proj = getattr(pe, "proj", None)
