@@ -29,6 +29,7 @@ from quotient_manifolds.models.canonical import (
     _to64,
     apply_folds,
     find_folds,
+    float64_internals,
     strip_frozen,
 )
 from quotient_manifolds.models.reparam import transform_params
@@ -100,6 +101,11 @@ def qwen2():
                tie_word_embeddings=False, **SMALL)
 
 
+def gemma3():
+    return _hf("Gemma3TextConfig", "Gemma3ForCausalLM", num_key_value_heads=2, head_dim=4,
+               **SMALL)
+
+
 def olmo2():
     return _hf("Olmo2Config", "Olmo2ForCausalLM", num_key_value_heads=2,
                tie_word_embeddings=False, **SMALL)
@@ -160,6 +166,7 @@ ZOO = {
     "vit": (vit, None, {"norm_gain": 5, "key_bias": 2, "value_bias": 2}, []),
     "qwen3": (qwen3, None, {"norm_gain": 5, "qk_norm": 2}, []),
     "olmo2": (olmo2, None, {"norm_gain": 1, "qk_norm": 2}, []),
+    "gemma3": (gemma3, None, {"norm_gain": 4, "qk_norm": 2}, ["model.norm"]),
     "whisper": (whisper, None, {"norm_gain": 5, "value_bias": 3}, ["model.decoder.layer_norm"]),
     "t5": (t5, None, {"norm_gain": 5}, []),
     "timm_vit": (timm_vit, None, {"norm_gain": 5, "key_bias": 2, "value_bias": 2}, []),
@@ -178,7 +185,7 @@ def _inputs(model, ex):
 
 
 def _outputs(model, ex):
-    with torch.no_grad():
+    with torch.no_grad(), float64_internals():
         return _tensors(model(*ex[0], **ex[1]))
 
 
@@ -242,6 +249,24 @@ def test_shift_modes():
     enc = next(f for f in folds if f.module == "model.encoder.layers.0.self_attn_layer_norm")
     assert enc.shift == "fold"
     assert any(c.bias is None for c in enc.consumers)
+    _, _, _, folds, _ = _setup("gemma3")  # Gemma's norms scale by 1 + w
+    assert {f.offset for f in folds if isinstance(f, NormGainFold)} == {1.0}
+    assert {(f.q_offset, f.k_offset) for f in folds if isinstance(f, QKNormScaleFold)} == {
+        (1.0, 1.0)}
+
+
+def test_float64_internals_keeps_float64():
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with float64_internals():
+        assert x.float().dtype == torch.float64
+        assert x.to(torch.float32).dtype == torch.float64
+        assert x.to("cpu", torch.float16).dtype == torch.float64
+        assert x.type_as(torch.zeros(1, dtype=torch.float32)).dtype == torch.float64
+        assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
+        assert x.to(torch.int64).dtype == torch.int64
+        y = torch.randn(2, dtype=torch.float32)
+        assert y.to(torch.float16).dtype == torch.float16  # only float64 tensors are kept
+    assert x.float().dtype == torch.float32
 
 
 # -- the canonical point ----------------------------------------------------------------------

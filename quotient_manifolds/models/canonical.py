@@ -48,6 +48,7 @@ __all__ = [
     "ValueBiasFold",
     "apply_folds",
     "find_folds",
+    "float64_internals",
     "strip_frozen",
 ]
 
@@ -673,6 +674,40 @@ def _default_inputs(model: nn.Module, generator: torch.Generator) -> tuple[tuple
     return (), kw
 
 
+_LOW = (torch.float32, torch.float16, torch.bfloat16)
+_CASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
+
+
+class float64_internals(torch.overrides.TorchFunctionMode):
+    """Keep float64 tensors in float64 inside a forward pass (a context manager).
+
+    Many models normalise or take the softmax in float32 whatever their dtype (Hugging Face's
+    RMSNorm casts to float32, eager attention takes `softmax(…, dtype=torch.float32)`); in a
+    float64 copy these casts flip float32 roundings under any change of the weights, and a
+    change of about $10^{-7}$ would hide whether a transformation is a symmetry.  Inside this
+    context, casts of float64 tensors to a lower float precision (`.to(...)`, `.float()`,
+    `.half()`, `.bfloat16()`, `.type_as(...)`, `dtype=` arguments) keep float64; nothing else
+    changes.  The probes run in it.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        wide = any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args)
+        if wide:
+            if func in _CASTS and args[0].dtype == torch.float64:
+                return args[0]
+            if func is torch.Tensor.type_as and args[1].dtype in _LOW:
+                return args[0] if args[0].dtype == torch.float64 else func(*args, **kwargs)
+            if func is torch.Tensor.to and args[0].dtype == torch.float64:
+                args = tuple(torch.float64 if (isinstance(a, torch.dtype) and a in _LOW) else a
+                             for a in args)
+                if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dtype in _LOW:
+                    args = (args[0], args[1].device, torch.float64, *args[2:])
+            if kwargs.get("dtype") in _LOW:
+                kwargs["dtype"] = torch.float64
+        return func(*args, **kwargs)
+
+
 class _Prober:
     """A float64 copy of a model, one traced forward pass, and function-preservation probes."""
 
@@ -721,7 +756,8 @@ class _Prober:
         try:
             if fast is not None:
                 fast.set_fastpath_enabled(False)  # the fused path calls no submodule
-            out = self.model(*self.args, **self.kwargs)
+            with float64_internals():
+                out = self.model(*self.args, **self.kwargs)
         finally:
             for hk in hooks:
                 hk.remove()
@@ -737,7 +773,7 @@ class _Prober:
         try:
             if fast is not None:
                 fast.set_fastpath_enabled(False)
-            with torch.no_grad():
+            with torch.no_grad(), float64_internals():
                 out = torch.func.functional_call(self.model, d, self.args, self.kwargs)
         finally:
             if fast is not None:
@@ -847,7 +883,7 @@ class _Prober:
         try:
             if fast is not None:
                 fast.set_fastpath_enabled(False)
-            with torch.enable_grad():
+            with torch.enable_grad(), float64_internals():
                 d = {n: p.detach() for n, p in self.params.items()}
                 d.update(self.buffers)
                 out = _tensors(torch.func.functional_call(self.model, d, self.args,
@@ -880,7 +916,7 @@ class _Prober:
             d = {w[len(prefix):]: wv}
             if b is not None:
                 d[b[len(prefix):]] = torch.zeros_like(self.params[b])
-            with torch.no_grad():
+            with torch.no_grad(), float64_internals():
                 return torch.func.functional_call(m, d, args, kwargs)
 
         y0 = call(torch.zeros_like(self.params[w]))
@@ -969,8 +1005,42 @@ def _fallback(module: str, kind: str, reason: str):
     return Fallback(module, kind, reason)
 
 
+def _passing(p: _Prober, folds: Sequence[Fold]) -> list[bool]:
+    """Which candidates pass their probe, by group testing.
+
+    All candidates are probed together (one forward pass); only a failing group is halved.
+    Every candidate is a symmetry exactly when the joint random element leaves the outputs
+    unchanged (barring a cancellation of probability zero).
+    """
+    if not folds:
+        return []
+    if p.probe(_JointAct(folds)) <= PROBE_RTOL:
+        return [True] * len(folds)
+    if len(folds) == 1:
+        return [False]
+    k = len(folds) // 2
+    return _passing(p, folds[:k]) + _passing(p, folds[k:])
+
+
+def _select(p: _Prober, alternatives: Sequence[Sequence[Fold]]) -> list[Fold | None]:
+    """For each structure, the first of its alternative folds that passes (None if none)."""
+    chosen: list[Fold | None] = [None] * len(alternatives)
+    pending = [i for i, alt in enumerate(alternatives) if alt]
+    r = 0
+    while pending:
+        ok = _passing(p, [alternatives[i][r] for i in pending])
+        nxt = []
+        for i, good in zip(pending, ok, strict=True):
+            if good:
+                chosen[i] = alternatives[i][r]
+            elif r + 1 < len(alternatives[i]):
+                nxt.append(i)
+        pending, r = nxt, r + 1
+    return chosen
+
+
 def _norm_folds(p: _Prober, fallbacks: list, excluded: set) -> list[Fold]:
-    folds: list[Fold] = []
+    structures: list[tuple[str, list[str], list[NormGainFold]]] = []
     seen: set = set()
     for name, m, args, kwargs, y in p.norm_calls():
         if name in seen or name in excluded:
@@ -983,8 +1053,6 @@ def _norm_folds(p: _Prober, fallbacks: list, excluded: set) -> list[Fold]:
         if found is None or not found[0]:
             continue  # read by an unknown module, or by no linear map: not a pre-norm
         cons, mods = found
-        if not p.reaches_only(name, mods):
-            continue  # post-norm (residual) or a returned hidden state: no symmetry
         w = p.pname(m.weight)
         bias = getattr(m, "bias", None)
         b = p.pname(bias) if isinstance(bias, nn.Parameter) else None
@@ -993,10 +1061,11 @@ def _norm_folds(p: _Prober, fallbacks: list, excluded: set) -> list[Fold]:
             continue
         tied = [c.weight for c in cons if p.tied(c.weight)]
         if tied:
-            fallbacks.append(_fallback(name, "norm", (
-                f"the norm's gain feeds {tied[0]!r}, which is tied to another module (e.g. "
-                "the input embedding); folding the gain would change that module, so the "
-                "gain symmetry is not removed")))
+            if p.reaches_only(name, mods):
+                fallbacks.append(_fallback(name, "norm", (
+                    f"the norm's gain feeds {tied[0]!r}, which is tied to another module "
+                    "(e.g. the input embedding); folding the gain would change that module, so "
+                    "the gain symmetry is not removed")))
             continue
         g = p.params[w] + offset
         cands = []
@@ -1006,26 +1075,25 @@ def _norm_folds(p: _Prober, fallbacks: list, excluded: set) -> list[Fold]:
             cands.append(NormGainFold(name, w, b, offset, tuple(cons), "fold"))
             if bool((g != 0).all()):
                 cands.append(NormGainFold(name, w, b, offset, tuple(cons), "scale"))
-        chosen, worst = None, math.inf
-        for f in cands:
-            err = p.probe(f)
-            worst = min(worst, err)
-            if err <= PROBE_RTOL:
-                chosen = f
-                break
-        if chosen is None:
-            if b is not None and len(cands) == 1 and worst > PROBE_RTOL:
-                why = ("its shift cannot be folded into the consumers and the gain has zero "
-                       "entries")
-            else:
-                why = f"a random gain scaling changed the output by {worst:.1e} (relative)"
-                if worst < 1e-5:
-                    why += (", about float32 rounding: the norm may compute in float32 "
-                            "internally, which a float64 probe cannot confirm")
-            fallbacks.append(_fallback(name, "norm", f"pre-norm structure found, but {why}; "
-                                       "the gain symmetry is not removed"))
+        structures.append((name, mods, cands))
+    chosen = _select(p, [c for _, _, c in structures])
+    folds: list[Fold] = []
+    for (name, mods, cands), f in zip(structures, chosen, strict=True):
+        if f is not None:
+            folds.append(f)
             continue
-        folds.append(chosen)
+        if not p.reaches_only(name, mods):
+            continue  # post-norm (residual) or a returned hidden state: no symmetry
+        worst = min(p.probe(c) for c in cands)
+        if cands[0].bias is not None and len(cands) == 1:
+            why = "its shift cannot be folded into the consumers and the gain has zero entries"
+        else:
+            why = f"a random gain scaling changed the output by {worst:.1e} (relative)"
+            if worst < 1e-5:
+                why += (", about float32 rounding: the norm may compute in float32 "
+                        "internally, which a float64 probe cannot confirm")
+        fallbacks.append(_fallback(name, "norm", f"pre-norm structure found, but {why}; "
+                                   "the gain symmetry is not removed"))
     return folds
 
 
@@ -1046,14 +1114,10 @@ def _out_bias(p: _Prober, part: FactorPart) -> str | None:
 
 
 def _bias_folds(p: _Prober, blocks: Sequence[BlockSpec]) -> list[Fold]:
-    folds: list[Fold] = []
+    cands: list[Fold] = []
     for b in _blocks_of(blocks, "attention.qk"):
-        for part in b.G + b.H:
-            if part.layout != "bias":
-                continue
-            f = KeyBiasFold(b.module, part, b.heads, b.h)
-            if p.probe(f) <= PROBE_RTOL:
-                folds.append(f)
+        cands += [KeyBiasFold(b.module, part, b.heads, b.h) for part in b.G + b.H
+                  if part.layout == "bias"]
     for b in _blocks_of(blocks, "attention.vo"):
         weights = [q for q in b.H if q.layout != "bias"]
         if len(weights) != 1 or len(b.H) != 1:
@@ -1061,36 +1125,32 @@ def _bias_folds(p: _Prober, blocks: Sequence[BlockSpec]) -> list[Fold]:
         ob = _out_bias(p, weights[0])
         if ob is None:
             continue
-        for part in b.G:
-            if part.layout != "bias":
-                continue
-            f = ValueBiasFold(b.module, part, weights[0], ob, b.heads, b.h)
-            if p.probe(f) <= PROBE_RTOL:
-                folds.append(f)
-    return folds
+        cands += [ValueBiasFold(b.module, part, weights[0], ob, b.heads, b.h) for part in b.G
+                  if part.layout == "bias"]
+    return [f for f in _select(p, [[c] for c in cands]) if f is not None]
 
 
 def _qk_norm_folds(p: _Prober, fallbacks: list) -> tuple[list[Fold], set]:
-    folds: list[Fold] = []
+    structures: list[tuple[str, list[Fold]]] = []
+    extra: list[Fold] = []
     names: set = set()
     for name, m in p.modules.items():
         cands = _qk_candidates(p, name, m)
         if not cands:
             continue
         names.update({f"{name}.q_norm", f"{name}.k_norm"})
+        structures.append((name, cands))
         kb = cands[0].k_bias
         if kb is not None:  # a LayerNorm k_norm's shift is added to every key: dead
-            f = KeyBiasFold(name, FactorPart(kb, "bias", 0), 1, p.params[kb].numel())
-            if p.probe(f) <= PROBE_RTOL:
-                folds.append(f)
-        for f in cands:
-            if p.probe(f) <= PROBE_RTOL:
-                folds.append(f)
-                break
-        else:
+            extra.append(KeyBiasFold(name, FactorPart(kb, "bias", 0), 1, p.params[kb].numel()))
+    chosen = _select(p, [c for _, c in structures])
+    for (name, _), f in zip(structures, chosen, strict=True):
+        if f is None:
             fallbacks.append(_fallback(name, "qk_norm", (
                 "no per-coordinate or per-rotary-pair scaling of the q/k norm gains left the "
                 "output unchanged; the gain symmetry is not removed")))
+    folds = [f for f in chosen if f is not None]
+    folds += [f for f in _select(p, [[c] for c in extra]) if f is not None]
     return folds, names
 
 
