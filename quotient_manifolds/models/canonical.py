@@ -623,6 +623,16 @@ def _to64(x):
     return x
 
 
+def _to_device(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, Mapping):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_to_device(v, device) for v in x)
+    return x
+
+
 def _default_inputs(model: nn.Module, generator: torch.Generator) -> tuple[tuple, dict] | None:
     """A small input for the model, if it describes one (Hugging Face or timm)."""
     try:
@@ -713,7 +723,8 @@ class _Prober:
 
     def __init__(self, model: nn.Module, inputs: tuple[tuple, dict], seed: int = 0) -> None:
         self.model = copy.deepcopy(model).to(torch.float64).eval()
-        args, kwargs = _to64(inputs[0]), dict(_to64(inputs[1]))
+        dev = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        args, kwargs = _to64(_to_device(inputs[0], dev)), dict(_to64(_to_device(inputs[1], dev)))
         try:
             if "use_cache" in inspect.signature(self.model.forward).parameters:
                 kwargs.setdefault("use_cache", False)
