@@ -582,3 +582,54 @@ def test_full_measure_invariant_paper_measure_moves(name, metric):
         vp = qm.geodesic_sharpness(folded, loss, data, geometry=paper, **kw).value
         moves.append(abs(vp / ref_p - 1))
     assert max(moves) > 1e-2
+
+
+def test_gqa_value_bias_folds_through_every_output_block():
+    """Llama with 4 query heads sharing 2 K/V heads and biases: a V/O block per K/V head whose
+    H stacks the output blocks of its 2 query heads (declared here); the value bias folds
+    through both, and a GL element shared by the group is a symmetry."""
+    model = llama(kv=2, bias=True)
+    h, r = 4, 2
+    blocks = []
+    for layer in range(2):
+        pre = f"model.layers.{layer}.self_attn."
+        for g in range(2):
+            blocks.append(qm.declare_block(
+                G=[(pre + "v_proj.weight", "rows", g * h), (pre + "v_proj.bias", "bias", g * h)],
+                H=[(pre + "o_proj.weight", "cols", (g * r + j) * h) for j in range(r)],
+                heads=1, h=h, kind="attention.vo", module=pre[:-1]))
+    params = dict(model.named_parameters())
+    blocks = [b.resolved(params) for b in blocks]
+    folds, _ = find_folds(model, blocks)
+    vb = [f for f in folds if isinstance(f, ValueBiasFold)]
+    assert len(vb) == 4 and all(len(f.out) == 2 for f in vb)
+    ex = _inputs(model, None)
+    P = _params(model)
+    can, frozen = apply_folds(folds, P)
+    assert _rel(_outputs(model, ex), _outputs(_load(model, can), ex)) <= PROBE_RTOL
+    assert bool((can["model.layers.0.self_attn.v_proj.bias"] == 0).all())
+    for seed in (0, 1):
+        moved = qm.reparametrize(model, a=3.0, generator=torch.Generator().manual_seed(seed),
+                                 blocks=blocks)
+        assert _rel(_outputs(model, ex), _outputs(moved, ex)) <= PROBE_RTOL
+        can_m = apply_folds(folds, _params(moved))[0]
+        for b in strip_frozen(blocks, frozen, can):
+            x, y = gather_block(b, can), gather_block(b, can_m)
+            torch.testing.assert_close(x[:, : b.n] @ x[:, b.n :].mT,
+                                       y[:, : b.n] @ y[:, b.n :].mT, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(can_m["model.layers.1.self_attn.o_proj.bias"],
+                                   can["model.layers.1.self_attn.o_proj.bias"],
+                                   rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["timm_vit", "whisper"])
+def test_transform_with_stripped_blocks_moves_the_value_bias_along(name):
+    """Blocks stripped for the canonical point lack the value-bias row; the GL action must still
+    move it (else the output shifts by W_O (Aᵀ − I) b_V): `transform_params` puts it back."""
+    model, ex, blocks, folds, _ = _setup(name)
+    P = _params(model)
+    can, frozen = apply_folds(folds, P)
+    stripped = strip_frozen(blocks, frozen, can)
+    assert stripped != blocks
+    moved = transform_params(P, stripped, folds, a=2.0, generator=torch.Generator().manual_seed(0))
+    assert _rel(_outputs(model, ex), _outputs(_load(model, moved), ex)) <= PROBE_RTOL

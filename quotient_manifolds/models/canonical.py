@@ -77,10 +77,6 @@ def _part_block(part: FactorPart, heads: int, h: int, module: str = "") -> Block
     return BlockSpec("custom", module, heads, h, (part,), (part,))
 
 
-def _pair_block(g: FactorPart, hpart: FactorPart, heads: int, h: int) -> BlockSpec:
-    return BlockSpec("custom", "", heads, h, (g,), (hpart,))
-
-
 def _mask(params: Params, name: str) -> torch.Tensor:
     t = params[name]
     return torch.ones(t.shape, dtype=torch.bool, device=t.device)
@@ -341,8 +337,10 @@ class ValueBiasFold(Fold):
     ----------
     part : FactorPart
         The value-bias row of the V/O block's $G$ factor.
-    out : FactorPart
-        The output-projection weight, the V/O block's $H$ factor (possibly stacked).
+    out : tuple of FactorPart
+        The output-projection weight: the V/O block's $H$ factor, one part or several stacked
+        parts of the same weight (grouped K/V heads: the output blocks of every query head
+        that reads the value head).
     out_bias : str
         The output projection's bias $b_O$.
     heads, h : int
@@ -350,7 +348,7 @@ class ValueBiasFold(Fold):
     """
 
     part: FactorPart = None
-    out: FactorPart = None
+    out: tuple[FactorPart, ...] = ()
     out_bias: str = ""
     heads: int = 1
     h: int = 1
@@ -359,10 +357,11 @@ class ValueBiasFold(Fold):
 
     @property
     def params(self) -> tuple[str, ...]:
-        return (self.part.param, self.out.param, self.out_bias)
+        return tuple(dict.fromkeys((self.part.param, *(q.param for q in self.out),
+                                    self.out_bias)))
 
     def _block(self) -> BlockSpec:
-        return _pair_block(self.part, self.out, self.heads, self.h)
+        return BlockSpec("custom", self.module, self.heads, self.h, (self.part,), self.out)
 
     def frozen(self, params):
         return {self.part.param: claimed_mask(_part_block(self.part, self.heads, self.h),
@@ -394,7 +393,7 @@ class ValueBiasFold(Fold):
     def describe(self):
         d = super().describe()
         d.update(part=(self.part.param, self.part.layout, self.part.offset),
-                 out=(self.out.param, self.out.layout, self.out.offset), out_bias=self.out_bias)
+                 out=[(q.param, q.layout, q.offset) for q in self.out], out_bias=self.out_bias)
         return d
 
 
@@ -1130,13 +1129,13 @@ def _bias_folds(p: _Prober, blocks: Sequence[BlockSpec]) -> list[Fold]:
         cands += [KeyBiasFold(b.module, part, b.heads, b.h) for part in b.G + b.H
                   if part.layout == "bias"]
     for b in _blocks_of(blocks, "attention.vo"):
-        weights = [q for q in b.H if q.layout != "bias"]
-        if len(weights) != 1 or len(b.H) != 1:
+        # H must be the output weight alone (one part, or stacked parts of the one weight)
+        if not b.H or any(q.layout == "bias" or q.param != b.H[0].param for q in b.H):
             continue
-        ob = _out_bias(p, weights[0])
+        ob = _out_bias(p, b.H[0])
         if ob is None:
             continue
-        cands += [ValueBiasFold(b.module, part, weights[0], ob, b.heads, b.h) for part in b.G
+        cands += [ValueBiasFold(b.module, part, tuple(b.H), ob, b.heads, b.h) for part in b.G
                   if part.layout == "bias"]
     return [f for f in _select(p, [[c] for c in cands]) if f is not None]
 

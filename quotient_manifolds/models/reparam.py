@@ -73,10 +73,9 @@ def _with_fold_rows(blocks: Sequence[BlockSpec], folds: Sequence[Fold]) -> list[
     out = []
     for b in blocks:
         g, h = b.G, b.H
-        for f in folds:
-            if f.module != b.module:
-                continue
-            if isinstance(f, ValueBiasFold) and b.kind == "attention.vo" and f.part not in g:
+        for f in folds:  # the fold of this block: same module, same output-weight parts
+            if (isinstance(f, ValueBiasFold) and f.module == b.module and tuple(f.out) == h
+                    and f.part not in g):
                 g = g + (f.part,)
         out.append(b if (g, h) == (b.G, b.H) else replace(b, G=g, H=h))
     return out
