@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -62,7 +62,9 @@ def _symmetries(
     return bl, folds
 
 
-def _with_fold_rows(blocks: Sequence[BlockSpec], folds: Sequence[Fold]) -> list[BlockSpec]:
+def _with_fold_rows(
+    blocks: Sequence[BlockSpec], folds: Sequence[Fold], params: Mapping[str, torch.Tensor]
+) -> list[BlockSpec]:
     """Blocks with the bias rows of the key/value folds put back where they were stripped.
 
     The GL action must move a value bias together with its head's value rows (else the output
@@ -77,7 +79,8 @@ def _with_fold_rows(blocks: Sequence[BlockSpec], folds: Sequence[Fold]) -> list[
             if (isinstance(f, ValueBiasFold) and f.module == b.module and tuple(f.out) == h
                     and f.part not in g):
                 g = g + (f.part,)
-        out.append(b if (g, h) == (b.G, b.H) else replace(b, G=g, H=h))
+        out.append(b if (g, h) == (b.G, b.H) else replace(b, G=g, H=h, n=0, m=0).resolved(
+            params))
     return out
 
 
@@ -108,7 +111,7 @@ def transform_params(
     """
     cur = {n: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
            for n, t in params.items()}
-    for b in _with_fold_rows(blocks, folds):
+    for b in _with_fold_rows(blocks, folds, cur):
         x = gather_block(b, cur).to(torch.float64)
         A = _gl_element(b, a, generator, x.device)
         G, H = x[:, : b.n], x[:, b.n :]
