@@ -35,6 +35,9 @@ from quotient_manifolds.models.canonical import (
 from quotient_manifolds.models.reparam import transform_params
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*|.*bos_token_id.*")
+# peft 0.21 calls a transformers property deprecated in transformers 5
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 
 
 # -- tiny models ------------------------------------------------------------------------------
@@ -134,6 +137,20 @@ def timm_vit():
                                     qkv_bias=True))
 
 
+def lora(build, targets):
+    """A peft LoRA model (r = 2) on a redrawn base, with non-zero random adapters."""
+    import peft
+
+    model = peft.get_peft_model(build(), peft.LoraConfig(r=2, target_modules=targets,
+                                                         lora_dropout=0.1))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model.double().eval()
+
+
 class Encoder(nn.Module):
     """`nn.TransformerEncoder` (pre- or post-norm) with a final LayerNorm and a linear head."""
 
@@ -172,6 +189,8 @@ ZOO = {
     "timm_vit": (timm_vit, None, {"norm_gain": 5, "key_bias": 2, "value_bias": 2}, []),
     "encoder_prenorm": (encoder, ENC_INPUT, {"norm_gain": 5, "key_bias": 2, "value_bias": 2},
                         []),
+    "lora_llama": (lambda: lora(llama, ["q_proj", "v_proj"]), None, {"norm_gain": 5}, []),
+    "lora_bert": (lambda: lora(bert, ["query", "value"]), None, {"norm_gain": 1}, []),
     "encoder_postnorm": (lambda: encoder(False), ENC_INPUT,
                          {"norm_gain": 1, "key_bias": 2, "value_bias": 2}, []),
 }
@@ -237,6 +256,13 @@ def test_post_norm_gets_no_layer_fold_and_tied_head_is_a_fallback():
         "bert.encoder.layer.1.output.LayerNorm"]
     _, _, _, _, fallbacks = _setup("gpt2_tied")
     assert "tied" in fallbacks[0].reason and fallbacks[0].kind == "norm"
+
+
+def test_lora_adapters_are_consumers():
+    _, _, _, folds, _ = _setup("lora_llama")
+    names = [c.weight for c in folds[0].consumers]
+    assert any("q_proj.lora_A" in n for n in names) and any("q_proj.base_layer" in n
+                                                             for n in names)
 
 
 def test_shift_modes():
