@@ -137,6 +137,24 @@ def timm_vit():
                                     qkv_bias=True))
 
 
+def timm_qk_norm_vit():
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    return redraw(VisionTransformer(img_size=8, patch_size=4, in_chans=3, num_classes=3,
+                                    embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0,
+                                    qkv_bias=True, qk_norm=True))
+
+
+def timm_beit():
+    import timm
+
+    torch.manual_seed(0)
+    return redraw(timm.create_model("beit_base_patch16_224", pretrained=False, img_size=16,
+                                    patch_size=8, embed_dim=16, depth=2, num_heads=4,
+                                    num_classes=3))
+
+
 def lora(build, targets):
     """A peft LoRA model (r = 2) on a redrawn base, with non-zero random adapters."""
     import peft
@@ -189,6 +207,9 @@ ZOO = {
     "timm_vit": (timm_vit, None, {"norm_gain": 5, "key_bias": 2, "value_bias": 2}, []),
     "encoder_prenorm": (encoder, ENC_INPUT, {"norm_gain": 5, "key_bias": 2, "value_bias": 2},
                         []),
+    "timm_qk_norm": (timm_qk_norm_vit, None,
+                     {"norm_gain": 5, "key_bias": 2, "value_bias": 2, "qk_norm": 2}, []),
+    "timm_beit": (timm_beit, None, {"norm_gain": 5, "value_bias": 2}, []),
     "lora_llama": (lambda: lora(llama, ["q_proj", "v_proj"]), None, {"norm_gain": 5}, []),
     "lora_bert": (lambda: lora(bert, ["query", "value"]), None, {"norm_gain": 1}, []),
     "encoder_postnorm": (lambda: encoder(False), ENC_INPUT,
@@ -256,6 +277,19 @@ def test_post_norm_gets_no_layer_fold_and_tied_head_is_a_fallback():
         "bert.encoder.layer.1.output.LayerNorm"]
     _, _, _, _, fallbacks = _setup("gpt2_tied")
     assert "tied" in fallbacks[0].reason and fallbacks[0].kind == "norm"
+
+
+def test_timm_separate_qkv_biases_and_qk_norm():
+    _, _, _, folds, _ = _setup("timm_beit")  # F.linear(x, qkv.weight, cat(q_bias, 0, v_bias))
+    norm = next(f for f in folds if f.module == "blocks.0.norm1")
+    assert norm.shift == "fold"
+    assert [(c.start, c.stop, c.bias, c.bias_start) for c in norm.consumers] == [
+        (0, 16, "blocks.0.attn.q_bias", 0), (16, 32, None, None),
+        (32, 48, "blocks.0.attn.v_bias", 0)]
+    _, _, _, folds, _ = _setup("timm_qk_norm")  # LayerNorm q/k norms, no rotary embedding
+    assert [f.layout for f in folds if isinstance(f, QKNormScaleFold)] == ["coordinate"] * 2
+    assert {f.part.param for f in folds if isinstance(f, KeyBiasFold)} == {
+        "blocks.0.attn.k_norm.bias", "blocks.1.attn.k_norm.bias"}
 
 
 def test_lora_adapters_are_consumers():

@@ -103,7 +103,10 @@ class Consumer:
         The output features that read the norm (all of them: `0, -1`; a slice of a fused
         `in_proj_weight`: e.g. `d, 2d` for the keys).
     bias : str or None
-        Parameter name of the bias of these outputs (same slice), or None (no bias).
+        Parameter name of the bias of these outputs, or None (no bias).
+    bias_start : int or None
+        Where the outputs' bias entries start in `bias` (None: at `start`, the same slice as
+        the weight rows; `0` for the separate `q_bias`/`v_bias` of timm's BEiT and EVA).
     """
 
     weight: str
@@ -111,6 +114,11 @@ class Consumer:
     start: int = 0
     stop: int = -1
     bias: str | None = None
+    bias_start: int | None = None
+
+    def _bias_slice(self, stop: int) -> tuple[int, int]:
+        b0 = self.start if self.bias_start is None else self.bias_start
+        return b0, b0 + stop - self.start
 
     def _stop(self, t: torch.Tensor) -> int:
         return t.shape[1 - self.in_axis] if self.stop < 0 else self.stop
@@ -120,8 +128,10 @@ class Consumer:
         W = params[self.weight]
         stop = self._stop(W)
         M = W[self.start:stop] if self.in_axis == 1 else W[:, self.start:stop].transpose(0, 1)
-        b = None if self.bias is None else params[self.bias].reshape(-1)[self.start:stop]
-        return M, b
+        if self.bias is None:
+            return M, None
+        b0, b1 = self._bias_slice(stop)
+        return M, params[self.bias].reshape(-1)[b0:b1]
 
     def write(self, params: dict, M: torch.Tensor, b: torch.Tensor | None) -> None:
         """Out-of-place write of `(M, b)` into `params`."""
@@ -134,7 +144,8 @@ class Consumer:
                                                   stop)
         if b is not None and self.bias is not None:
             t = params[self.bias]
-            flat = t.reshape(-1).slice_scatter(b.to(t.dtype), 0, self.start, stop)
+            b0, b1 = self._bias_slice(stop)
+            flat = t.reshape(-1).slice_scatter(b.to(t.dtype), 0, b0, b1)
             params[self.bias] = flat.view(t.shape)
 
 
@@ -851,6 +862,18 @@ class _Prober:
                 continue
             x = args[0] if args else kwargs.get("input", kwargs.get("x"))
             if _storage(x) != ptr:
+                continue
+            qkv = getattr(m, "qkv", None)
+            qb, vb = getattr(m, "q_bias", None), getattr(m, "v_bias", None)
+            if (isinstance(qkv, nn.Linear) and isinstance(qb, nn.Parameter) and qkv.in_features == d
+                    and isinstance(vb, nn.Parameter) and qkv.out_features == 3 * qb.numel()):
+                # timm BEiT/EVA: F.linear(x, qkv.weight, cat(q_bias, k_bias, v_bias)) with a
+                # zero key-bias buffer, so the qkv module itself is never called
+                a, w = qb.numel(), self.pname(qkv.weight)
+                for c in (Consumer(w, 1, 0, a, self.pname(qb), 0), Consumer(w, 1, a, 2 * a),
+                          Consumer(w, 1, 2 * a, 3 * a, self.pname(vb), 0)):
+                    found[(c.weight, c.start)] = c
+                mods.append(name)
                 continue
             if isinstance(m, nn.Linear) and m.in_features == d:
                 c = Consumer(self.pname(m.weight), 1, 0, -1, self.pname(m.bias))
