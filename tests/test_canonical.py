@@ -534,6 +534,26 @@ def test_no_example_input_is_a_fallback():
     assert folds == [] and "example_inputs" in fallbacks[0].reason
 
 
+def test_no_comparable_output_is_a_fallback():
+    """A probe needs finite floating-point outputs: without them nothing is claimed."""
+
+    class Silent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = nn.LayerNorm(4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            self.lin(self.norm(x))
+            return None
+
+    x = torch.randn(2, 4)
+    folds, fallbacks = find_folds(Silent(), [], example_inputs=((x,), {}))
+    assert folds == [] and "floating-point" in fallbacks[0].reason
+    nan = torch.full((1, 2, 16), float("nan"))
+    folds, fallbacks = find_folds(encoder(), [], example_inputs=((nan,), {}))
+    assert folds == [] and "non-finite" in fallbacks[0].reason
+
+
 # -- stripping frozen rows from the blocks -------------------------------------------------------
 def test_strip_frozen_removes_the_key_and_value_bias_rows():
     model, _, blocks, folds, _ = _setup("encoder_prenorm")

@@ -1242,6 +1242,11 @@ def find_folds(
                 "example_inputs=(args, kwargs)"))]
         return [], []
     p = _Prober(model, inputs, seed)
+    if not p.ref or not all(bool(torch.isfinite(t).all()) for t in p.ref):
+        return [], [_fallback("", "folds", (
+            "the model's output on the example input has no floating-point tensor, or a "
+            "non-finite one, so no probe can confirm a fold; pass example_inputs= with an input "
+            "that gives finite outputs"))]
     fallbacks: list = []
     qk, qk_names = _qk_norm_folds(p, fallbacks)
     folds = _norm_folds(p, fallbacks, qk_names) + _bias_folds(p, blocks) + qk
