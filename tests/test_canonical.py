@@ -547,8 +547,10 @@ def test_no_comparable_output_is_a_fallback():
             return None
 
     x = torch.randn(2, 4)
-    folds, fallbacks = find_folds(Silent(), [], example_inputs=((x,), {}))
+    folds, fallbacks = find_folds(Silent(), [], example_inputs=x)  # a bare tensor is an input
     assert folds == [] and "floating-point" in fallbacks[0].reason
+    folds, fallbacks = find_folds(Silent(), [], example_inputs=torch.randn(2, 3))
+    assert folds == [] and "failed on the example input" in fallbacks[0].reason
     nan = torch.full((1, 2, 16), float("nan"))
     folds, fallbacks = find_folds(encoder(), [], example_inputs=((nan,), {}))
     assert folds == [] and "non-finite" in fallbacks[0].reason

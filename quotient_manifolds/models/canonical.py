@@ -643,6 +643,20 @@ def _to_device(x, device):
     return x
 
 
+def _normalize_inputs(x) -> tuple[tuple, dict]:
+    """`(args, kwargs)` from an input given as a tensor, a dict, a tuple or `(args, kwargs)`."""
+    if isinstance(x, torch.Tensor):
+        return (x,), {}
+    if isinstance(x, Mapping):
+        return (), dict(x)
+    if (isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], (tuple, list))
+            and isinstance(x[1], Mapping)):
+        return tuple(x[0]), dict(x[1])
+    if isinstance(x, (tuple, list)):
+        return tuple(x), {}
+    return (x,), {}
+
+
 def _default_inputs(model: nn.Module, generator: torch.Generator) -> tuple[tuple, dict] | None:
     """A small input for the model, if it describes one (Hugging Face or timm)."""
     try:
@@ -1218,10 +1232,11 @@ def find_folds(
         Only read (deep-copied to float64).
     blocks : sequence of BlockSpec
         The model's resolved GL blocks (bias rows included, as discovered).
-    example_inputs : (args, kwargs), optional
-        An input the model accepts.  Default: a small random input derived from the model's
-        configuration (Hugging Face, timm); without one, no fold is claimed and a fallback
-        says so.
+    example_inputs : optional
+        An input the model accepts: `(args, kwargs)`, a dict of keyword arguments, a tuple of
+        positional arguments or a tensor.  Default: a small random input derived from the
+        model's configuration (Hugging Face, timm); without one, or if the model fails on it,
+        no fold is claimed and a fallback says so.
     seed : int
         Seed of the probe inputs and group elements.
 
@@ -1241,7 +1256,12 @@ def find_folds(
                 "translations cannot be probed and are not removed; pass "
                 "example_inputs=(args, kwargs)"))]
         return [], []
-    p = _Prober(model, inputs, seed)
+    try:
+        p = _Prober(model, _normalize_inputs(inputs), seed)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's forward pass
+        return [], [_fallback("", "folds", (
+            f"the model failed on the example input ({type(e).__name__}: {e}), so no fold can "
+            "be probed; pass example_inputs= with an input the model accepts"))]
     if not p.ref or not all(bool(torch.isfinite(t).all()) for t in p.ref):
         return [], [_fallback("", "folds", (
             "the model's output on the example input has no floating-point tensor, or a "
