@@ -8,6 +8,7 @@ uniform and hides errors.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import warnings
 from collections import Counter
@@ -246,6 +247,28 @@ def _load(model, params):
 
 
 _CACHE: dict = {}
+_SYMMETRIES = "symmetry" in inspect.signature(qm.models.discover).parameters
+FOLD_FALLBACKS = ("norm", "qk_norm", "folds")
+
+
+def _symmetries(model, ex=None):
+    """(blocks, folds, fold fallbacks) as discovery finds them: through `discover` where it
+    returns a `Symmetries` record (blocks stripped of the frozen rows), else `find_folds` on
+    the discovered blocks."""
+    if _SYMMETRIES:
+        sym = qm.models.discover(model, warn=False, example_inputs=ex)
+        return (list(sym.blocks), list(sym.folds),
+                [f for f in sym.fallbacks if f.kind in FOLD_FALLBACKS])
+    blocks = qm.discover_blocks(model, warn=False)
+    folds, fallbacks = find_folds(model, blocks, example_inputs=ex)
+    return blocks, folds, fallbacks
+
+
+def _paper_blocks(model):
+    """The GL(h) blocks of the paper's measure, bias rows included."""
+    if _SYMMETRIES:
+        return list(qm.models.discover(model, symmetry="paper", warn=False).blocks)
+    return qm.discover_blocks(model, warn=False)
 
 
 def _setup(name):
@@ -253,8 +276,7 @@ def _setup(name):
     if name not in _CACHE:
         build, ex, _, _ = ZOO[name]
         model = build()
-        blocks = qm.discover_blocks(model, warn=False)
-        folds, fallbacks = find_folds(model, blocks, example_inputs=ex)
+        blocks, folds, fallbacks = _symmetries(model, ex)
         _CACHE[name] = (model, _inputs(model, ex), blocks, folds, fallbacks)
     return _CACHE[name]
 
@@ -410,7 +432,8 @@ def test_reparametrize_leaves_model_untouched_and_rejects_bad_symmetry():
 
 
 def test_paper_reparametrize_moves_only_the_blocks():
-    model, _, blocks, _, _ = _setup("vit")
+    model = _setup("vit")[0]
+    blocks = _paper_blocks(model)
     moved = _params(qm.reparametrize(model, a=2.0, symmetry="paper",
                                      generator=torch.Generator().manual_seed(0)))
     P = _params(model)
@@ -467,8 +490,7 @@ def test_rope_keeps_the_key_bias_alive():
     """Qwen2 has q/k/v biases and rotary embeddings: a key-bias shift changes the output,
     so no key-bias fold is claimed."""
     model = qwen2()
-    blocks = qm.discover_blocks(model, warn=False)
-    folds, _ = find_folds(model, blocks)
+    _, folds, _ = _symmetries(model)
     assert not any(isinstance(f, KeyBiasFold) for f in folds)
     ex = _inputs(model, None)
     P = _params(model)
@@ -519,8 +541,7 @@ def test_zero_gains_fold_exactly():
     model = copy.deepcopy(_setup("timm_vit")[0])
     with torch.no_grad():
         model.blocks[0].norm1.weight[:3] = 0.0
-    blocks = qm.discover_blocks(model, warn=False)
-    folds, _ = find_folds(model, blocks)
+    _, folds, _ = _symmetries(model)
     assert any(f.module == "blocks.0.norm1" and f.shift == "fold" for f in folds)
     ex = _inputs(model, None)
     can = apply_folds(folds, _params(model))[0]
@@ -528,10 +549,16 @@ def test_zero_gains_fold_exactly():
 
 
 def test_no_example_input_is_a_fallback():
-    model = encoder()
-    blocks = qm.discover_blocks(model, warn=False)
-    folds, fallbacks = find_folds(model, blocks)
-    assert folds == [] and "example_inputs" in fallbacks[0].reason
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = nn.LayerNorm(4), nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return self.lin(self.norm(x)) + y
+
+    folds, fallbacks = find_folds(TwoInputs(), [])
+    assert folds == [] and "example_inputs=" in fallbacks[0].reason
 
 
 def test_no_comparable_output_is_a_fallback():
@@ -558,7 +585,8 @@ def test_no_comparable_output_is_a_fallback():
 
 # -- stripping frozen rows from the blocks -------------------------------------------------------
 def test_strip_frozen_removes_the_key_and_value_bias_rows():
-    model, _, blocks, folds, _ = _setup("encoder_prenorm")
+    model, _, _, folds, _ = _setup("encoder_prenorm")
+    blocks = _paper_blocks(model)  # nn.MultiheadAttention: the same blocks, bias rows in
     P = _params(model)
     can, frozen = apply_folds(folds, P)
     stripped = strip_frozen(blocks, frozen, can)
@@ -600,6 +628,9 @@ def _data(name):
              torch.randint(0, 3, (3,), generator=g))]
 
 
+_SEAM = hasattr(qm, "Geometry")
+
+
 def _prototype_full(model, metric, data):
     """The full-group measure built from today's engine: the measure of a copy loaded with the
     canonical point, with the frozen rows stripped from the blocks."""
@@ -611,6 +642,7 @@ def _prototype_full(model, metric, data):
                                  blocks=strip_frozen(blocks, frozen, can)).value
 
 
+@pytest.mark.skipif(_SEAM, reason="the engine evaluates the full measure itself (next test)")
 @pytest.mark.parametrize("name", ["bert", "timm_vit"])
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_prototype_full_measure_is_invariant_paper_measure_moves(name, metric):
@@ -630,9 +662,6 @@ def test_prototype_full_measure_is_invariant_paper_measure_moves(name, metric):
                                       progress=False).value
         moves.append(abs(paper / paper_ref - 1))
     assert max(moves) > 1e-2
-
-
-_SEAM = hasattr(qm, "Geometry")
 
 
 @pytest.mark.skipif(not _SEAM, reason="awaiting the seam merge")
