@@ -314,7 +314,8 @@ class KeyBiasFold(Fold):
     def _write(self, params, fn) -> dict:
         out = dict(params)
         blk = self._block()
-        x = gather_block(blk, out)[:, :1]  # G = H = the part: rows 0 and 1 are equal
+        x = gather_block(blk, out)
+        x = x[:, : x.shape[-2] // 2]  # G = H = the part (one row, or one per stacked head)
         y = fn(x)
         # one-part block: write the same rows as G and H (identical values, out of place)
         scatter_block(blk, torch.cat([y, y], dim=-2), out)
@@ -1173,7 +1174,7 @@ def _bias_folds(p: _Prober, blocks: Sequence[BlockSpec]) -> list[Fold]:
         if ob is None:
             continue
         cands += [ValueBiasFold(b.module, part, tuple(b.H), ob, b.heads, b.h) for part in b.G
-                  if part.layout == "bias"]
+                  if part.layout == "bias" and getattr(part, "stack", 1) == 1]
     return [f for f in _select(p, [[c] for c in cands]) if f is not None]
 
 
