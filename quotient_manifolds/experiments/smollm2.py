@@ -167,8 +167,12 @@ def make_batches(tokenizer, n_batches: int, batch_size: int, seq_len: int) -> li
 
 
 def loss_fn(model, batch) -> torch.Tensor:
-    """The model's next-token cross-entropy on the batch (mean over predicted tokens)."""
-    return model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+    """Next-token cross-entropy on the batch (mean over the predicted tokens), in the model's
+    dtype (the model's own `labels=` loss would compute it in float32 even for a float64
+    model, which hides differences below $10^{-7}$)."""
+    logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1]
+    target = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
 def forward_backward_seconds(model, batch, repeats: int = 3) -> float:

@@ -6,8 +6,8 @@ else:
 
 * every GL(h) block (paper §6.2): $(G, H) ↦ (G A^{-1}, H A^\top)$ per head with
   $A = a\,\tilde G$, $\tilde G_{ij} \sim N(0, 1)$; for a block restricted to a subgroup
-  (rotary embeddings), $A$ is a random element of that subgroup; grouped K/V heads share one
-  element per K/V head (the block's stacked factors);
+  (rotary embeddings), $A = a \exp(X)$ with a random $X$ of spectral norm 1 in its Lie algebra;
+  grouped K/V heads share one element per K/V head (the block's stacked factors);
 * every fold ([`Fold`][quotient_manifolds.models.canonical.Fold]): norm gains scaled by
   random $c ∈ (\mathbb R^*)^d$ and shifted by random $t$, random key-bias translations, random
   value/output translations $(b_V + t, b_O − W_O t)$, random q/k-norm gain scalings.
@@ -85,13 +85,24 @@ def _with_fold_rows(
 
 
 def _gl_element(b: BlockSpec, a: float, generator, device) -> torch.Tensor:
-    """A random element per head, ``(heads, h, h)`` float64: ``a·G̃`` or one of the subgroup."""
+    r"""A random element per head, `(heads, h, h)` float64.
+
+    GL(h): $A = a\,\tilde G$.  A subgroup: $A = a \exp(X)$ with $X$ a random element of its
+    Lie algebra of spectral norm 1 (`Subalgebra.random_element`), the factor $a$ kept only
+    where $a I$ belongs to the subgroup (it does for the rotary commutant).
+    """
     group = getattr(b, "group", None)
     if group is None:
-        A = a * torch.randn(b.heads, b.h, b.h, generator=generator, dtype=torch.float64)
-    else:
-        A = torch.stack([group.random_element(generator, scale=a, dtype=torch.float64)
+        return (a * torch.randn(b.heads, b.h, b.h, generator=generator,
+                                dtype=torch.float64)).to(device)
+    try:
+        A = group.random_element(generator, scale=1.0, dtype=torch.float64, batch=(b.heads,))
+    except TypeError:  # a subalgebra without batched draws
+        A = torch.stack([group.random_element(generator, scale=1.0, dtype=torch.float64)
                          for _ in range(b.heads)])
+    eye = torch.eye(b.h, dtype=torch.float64)
+    if float((group.project(eye) - eye).abs().max()) < 1e-12:
+        A = a * A
     return A.to(device)
 
 
@@ -145,7 +156,8 @@ def reparametrize(
     a : float
         Scale of the group element: $A = a\,\tilde G$ per GL head (the paper sweeps
         $a ∈ [10^{-2}, 10^{2}]$), norm-gain factors $c = a\,s\,e^{z}$ ($z \sim N(0, 1)$, random
-        sign $s$), translations $t \sim N(0, a^2 I)$, subgroup elements of scale $a$.
+        sign $s$), translations $t \sim N(0, a^2 I)$, subgroup elements $a \exp(X)$ with
+        $\|X\|_2 = 1$.
     generator : torch.Generator, optional
         Source of the random element (default: torch's global generator).
     symmetry : {"full", "paper"}
