@@ -691,8 +691,14 @@ def test_full_measure_invariant_paper_measure_moves(name, metric):
     kw = dict(rho=0.1, n_iter=5)
     full = qm.Geometry(metric=metric, symmetry="full")
     paper = qm.Geometry(metric=metric, symmetry="paper")
+
+    def paper_value(m):  # rotary and grouped heads fall back in the paper's measure, with a warning
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", qm.SymmetryFallbackWarning)
+            return qm.geodesic_sharpness(m, loss, data, geometry=paper, **kw).value
+
     ref = qm.geodesic_sharpness(model, loss, data, geometry=full, **kw).value
-    ref_p = qm.geodesic_sharpness(model, loss, data, geometry=paper, **kw).value
+    ref_p = paper_value(model)
     moves = []
     for a, seed in ((1e-2, 1), (1e2, 2)):
         moved = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(seed))
@@ -700,8 +706,7 @@ def test_full_measure_invariant_paper_measure_moves(name, metric):
         assert abs(v / ref - 1) <= 1e-6, (a, v, ref)
         folded = _load(model, transform_params(_params(model), [], folds, a=a,
                                                generator=torch.Generator().manual_seed(seed)))
-        vp = qm.geodesic_sharpness(folded, loss, data, geometry=paper, **kw).value
-        moves.append(abs(vp / ref_p - 1))
+        moves.append(abs(paper_value(folded) / ref_p - 1))
     assert max(moves) > 1e-2
 
 
