@@ -695,6 +695,7 @@ def test_full_measure_invariant_paper_measure_moves(name, metric):
     def paper_value(m):  # rotary and grouped heads fall back in the paper's measure, with a warning
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", qm.SymmetryFallbackWarning)
+            warnings.simplefilter("ignore", qm.NoBlocksWarning)
             return qm.geodesic_sharpness(m, loss, data, geometry=paper, **kw).value
 
     ref = qm.geodesic_sharpness(model, loss, data, geometry=full, **kw).value
