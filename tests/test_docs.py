@@ -6,7 +6,10 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/manifolds.md", "docs/index.md", "docs/adapters.md"]
+PAGES = ["README.md", "docs/manifolds.md", "docs/index.md", "docs/adapters.md",
+         pytest.param("docs/symmetries.md", marks=pytest.mark.skipif(
+             not hasattr(__import__("quotient_manifolds"), "Geometry"),
+             reason="awaiting the seam merge"))]
 
 
 def _blocks(page):
