@@ -125,8 +125,11 @@ def gl_figure(path: Path, rho: float = 0.1, n_iter: int = 10) -> dict:
         "adaptive (ℓ2)": lambda m: qm.adaptive_sharpness(m, _ce, data, rho=rho, n_iter=n_iter).value,
     }
     ref = {k: f(model) for k, f in measures.items()}
-    rows = {k: [f(qm.reparametrize(model, a, seed=0)) / ref[k] for a in scales]
-            for k, f in measures.items()}
+    def moved(a):
+        return qm.reparametrize(model, a=a, symmetry="paper",
+                                generator=torch.Generator().manual_seed(0))
+
+    rows = {k: [f(moved(a)) / ref[k] for a in scales] for k, f in measures.items()}
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     for (k, ys), mk, ls in zip(rows.items(), "osD", ("-", "--", "-")):
         ax.plot(scales, ys, marker=mk, ls=ls, label=k, ms=8 if mk == "o" else 5)

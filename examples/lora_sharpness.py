@@ -88,7 +88,8 @@ def main() -> None:
         print(f"geodesic sharpness (inv, rho={rho}): {geo.value:.6g}   "
               f"({len(geo.blocks)} block specs, {len(geo.fallbacks)} fallbacks)")
         print(f"adaptive sharpness (l2,  rho={rho}): {ada.value:.6g}")
-        moved = qm.reparametrize(model, 10.0, seed=0)  # a random GL(r) element per adapter
+        moved = qm.reparametrize(model, a=10.0, generator=torch.Generator().manual_seed(0),
+                                 symmetry="paper")  # a random GL(r) element per adapter
         x = data[0]
         diff = (moved(**x).logits - model(**x).logits).abs().max().item()
         geo2 = qm.geodesic_sharpness(moved, loss_fn, data, **kw)

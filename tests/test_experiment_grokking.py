@@ -30,7 +30,7 @@ def test_blocks_are_exact_symmetries():
     torch.manual_seed(0)
     model = grokking.GrokTransformer(43)
     x, _, _, _ = grokking.modular_data(43, 0.3, 0)
-    moved = qm.reparametrize(model, 3.0, seed=1)
+    moved = qm.reparametrize(model, a=3.0, generator=torch.Generator().manual_seed(1))
     assert not torch.equal(moved.attn.q_proj.weight, model.attn.q_proj.weight)
     torch.testing.assert_close(moved(x), model(x), rtol=1e-9, atol=1e-9)
 

@@ -102,7 +102,7 @@ def test_discovered_geometry_lora_and_merged(minilm, tweets):
     assert "layers.0.attention.self.query.bias" in names
     assert "layers.0.attention.output.dense.bias" not in names
     # the GL(r) blocks are exact symmetries of the LoRA model
-    moved = qm.reparametrize(model, 3.0, seed=0)
+    moved = qm.reparametrize(model, a=3.0, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(moved(hidden, mask), model(hidden, mask), rtol=1e-4,
                                    atol=1e-4)

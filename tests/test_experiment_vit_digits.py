@@ -32,7 +32,7 @@ def test_blocks_are_exact_symmetries():
     torch.manual_seed(0)
     model = vit_digits.TinyViT().eval()
     x = torch.rand(5, 8, 8)
-    moved = qm.reparametrize(model, 3.0, seed=1)
+    moved = qm.reparametrize(model, a=3.0, generator=torch.Generator().manual_seed(1))
     assert not torch.equal(moved.blocks[1].attn.v_proj.bias, model.blocks[1].attn.v_proj.bias)
     torch.testing.assert_close(moved(x), model(x), rtol=1e-9, atol=1e-9)
 

@@ -192,7 +192,7 @@ def test_declared_two_layer_block_and_diagonal():
     x = gather_block(b, dict(net.named_parameters()))[0]
     torch.testing.assert_close(x[:4], net[1].weight)
     torch.testing.assert_close(x[4:], torch.cat([net[0].weight.T, net[0].bias[None]]))
-    net2 = qm.reparametrize(net, 3.0, seed=1, blocks=[spec])
+    net2 = qm.reparametrize(net, a=3.0, generator=torch.Generator().manual_seed(1), blocks=[spec])
     inp = torch.randn(7, 5)
     assert not torch.allclose(net2[1].weight, net[1].weight)
     torch.testing.assert_close(net2(inp), net(inp))
@@ -211,7 +211,8 @@ def test_declared_two_layer_block_and_diagonal():
     (db,) = qm.ModelGeometry(dnet, qm.Geometry(blocks=[dspec])).blocks
     assert (db.n, db.m, db.h, db.heads) == (1, 1, 1, 6)
     X = torch.randn(4, 6)
-    torch.testing.assert_close(qm.reparametrize(dnet, 2.0, 0, blocks=[dspec])(X), dnet(X))
+    torch.testing.assert_close(qm.reparametrize(
+        dnet, a=2.0, generator=torch.Generator().manual_seed(0), blocks=[dspec])(X), dnet(X))
 
 
 def test_declared_block_errors():
@@ -318,12 +319,13 @@ def test_reparametrize_changes_weights_not_outputs():
     ids = {"input_ids": torch.randint(0, 40, (2, 6))}
     ref = model(**ids).logits
     for a in (1e-2, 1.0, 1e2):
-        new = qm.reparametrize(model, a, seed=3)
+        new = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(3))
         q0 = model.bert.encoder.layer[0].attention.self.query.weight
         q1 = new.bert.encoder.layer[0].attention.self.query.weight
         assert not torch.allclose(q0, q1)
         torch.testing.assert_close(new(**ids).logits, ref, rtol=1e-7, atol=1e-9)
-    torch.testing.assert_close(qm.reparametrize(model, 1.0, 5).bert.pooler.dense.weight,
+    paper = qm.reparametrize(model, generator=torch.Generator().manual_seed(5), symmetry="paper")
+    torch.testing.assert_close(paper.bert.pooler.dense.weight,
                                model.bert.pooler.dense.weight)  # non-block weights untouched
 
 

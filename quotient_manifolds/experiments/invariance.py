@@ -139,7 +139,8 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     for k, m in bar:
         if k != current_key:
             current = model if k == "original" else qm.reparametrize(
-                model, float(k[2:]), seed=s["reparam_seed"])
+                model, a=float(k[2:]), symmetry="paper",
+                generator=torch.Generator().manual_seed(s["reparam_seed"]))
             current_key = k
         vals[k][m] = _measure(current, batch, m, s)
         store.save_measures(k, prot, vals[k])

@@ -40,6 +40,7 @@ EXPERIMENTS: dict[str, str] = {
     "grokking": "grokking",
     "vit-digits": "vit_digits",
     "lora-minilm": "lora_minilm",
+    "smollm2": "smollm2",
 }
 
 

@@ -1,69 +1,197 @@
-r"""Random GL reparametrisation of a model (paper §6.2, spec §11.3, §12.6).
+r"""Random function-preserving reparametrisation of a model: the invariance self-test.
 
-Every discovered block is moved along its orbit by ``A = a·G̃`` per head,
-``G̃_ij ~ N(0, 1)``: ``(G, H) ↦ (G A⁻¹, H Aᵀ)``, written back into the weights
-and their bias rows.  The function ``G Hᵀ`` of each head, hence the model's
-outputs, is unchanged (up to rounding).
+[`reparametrize`][quotient_manifolds.models.reparam.reparametrize] moves a copy of the model
+by a random element of the full symmetry group the library claims for it, and by nothing
+else:
+
+* every GL(h) block (paper §6.2): $(G, H) ↦ (G A^{-1}, H A^\top)$ per head with
+  $A = a\,\tilde G$, $\tilde G_{ij} \sim N(0, 1)$; for a block restricted to a subgroup
+  (rotary embeddings), $A = a \exp(X)$ with a random $X$ of spectral norm 1 in its Lie algebra;
+  grouped K/V heads share one element per K/V head (the block's stacked factors);
+* every fold ([`Fold`][quotient_manifolds.models.canonical.Fold]): norm gains scaled by
+  random $c ∈ (\mathbb R^*)^d$ and shifted by random $t$, random key-bias translations, random
+  value/output translations $(b_V + t, b_O − W_O t)$, random q/k-norm gain scalings.
+
+The model's outputs do not change (up to rounding), so any measure the library claims to be
+invariant must give the same value on the copy.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from ..geometry.linalg import transpose
 from .blocks import BlockSpec, gather_block, scatter_block
+from .canonical import Fold, ValueBiasFold, find_folds
 from .discovery import discover
 
-__all__ = ["reparametrize"]
+__all__ = ["SYMMETRIES", "reparametrize", "transform_params"]
+
+SYMMETRIES = ("full", "paper")
+
+
+def _symmetries(
+    model: nn.Module,
+    symmetry: str,
+    blocks: Sequence[BlockSpec] | None,
+    declared: Iterable[BlockSpec],
+    example_inputs,
+) -> tuple[list[BlockSpec], list[Fold]]:
+    """The blocks (acting on the raw parameters, bias rows included) and folds of `model`."""
+    params = dict(model.named_parameters())
+    declared = list(declared)
+    if blocks is not None:
+        bl = [b.resolved(params) for b in list(blocks) + declared]
+        folds = find_folds(model, bl, example_inputs=example_inputs)[0] if (
+            symmetry == "full") else []
+        return bl, folds
+    sig = inspect.signature(discover).parameters
+    if "symmetry" in sig:  # discovery returns a Symmetries record
+        kw = {"example_inputs": example_inputs} if "example_inputs" in sig else {}
+        sym = discover(model, symmetry=symmetry, declared=declared, warn=False, **kw)
+        return list(sym.blocks), list(getattr(sym, "folds", ()))
+    bl = discover(model, declared=declared, warn=False)[0]
+    folds = find_folds(model, bl, example_inputs=example_inputs)[0] if (
+        symmetry == "full") else []
+    return bl, folds
+
+
+def _with_fold_rows(
+    blocks: Sequence[BlockSpec], folds: Sequence[Fold], params: Mapping[str, torch.Tensor]
+) -> list[BlockSpec]:
+    """Blocks with the bias rows of the key/value folds put back where they were stripped.
+
+    The GL action must move a value bias together with its head's value rows (else the output
+    shifts by $W_O (A^\\top − I) b_V$); if the blocks came stripped for the canonical point,
+    the rows are appended again here.  A key bias need not move: it is dead under the softmax
+    whatever the Q/K element does to the other rows.
+    """
+    out = []
+    for b in blocks:
+        g, h = b.G, b.H
+        for f in folds:  # the fold of this block: same module, same output-weight parts
+            if (isinstance(f, ValueBiasFold) and f.module == b.module and tuple(f.out) == h
+                    and f.part not in g):
+                g = g + (f.part,)
+        out.append(b if (g, h) == (b.G, b.H) else replace(b, G=g, H=h, n=0, m=0).resolved(
+            params))
+    return out
+
+
+def _gl_element(b: BlockSpec, a: float, generator, device) -> torch.Tensor:
+    r"""A random element per head, `(heads, h, h)` float64.
+
+    GL(h): $A = a\,\tilde G$.  A subgroup: $A = a \exp(X)$ with $X$ a random element of its
+    Lie algebra of spectral norm 1 (`Subalgebra.random_element`), the factor $a$ kept only
+    where $a I$ belongs to the subgroup (it does for the rotary commutant).
+    """
+    group = getattr(b, "group", None)
+    if group is None:
+        return (a * torch.randn(b.heads, b.h, b.h, generator=generator,
+                                dtype=torch.float64)).to(device)
+    try:
+        A = group.random_element(generator, scale=1.0, dtype=torch.float64, batch=(b.heads,))
+    except TypeError:  # a subalgebra without batched draws
+        A = torch.stack([group.random_element(generator, scale=1.0, dtype=torch.float64)
+                         for _ in range(b.heads)])
+    eye = torch.eye(b.h, dtype=torch.float64)
+    if float((group.project(eye) - eye).abs().max()) < 1e-12:
+        A = a * A
+    return A.to(device)
+
+
+def transform_params(
+    params: dict[str, torch.Tensor],
+    blocks: Sequence[BlockSpec],
+    folds: Sequence[Fold] = (),
+    *,
+    a: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    r"""`params` moved by a random element of the group of `blocks` and `folds` (out of place).
+
+    First every block by its GL (or subgroup) element, then every fold by its own random
+    element; the algebra runs in float64.  This is the parameter-level core of
+    [`reparametrize`][quotient_manifolds.models.reparam.reparametrize].
+    """
+    cur = {n: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
+           for n, t in params.items()}
+    for b in _with_fold_rows(blocks, folds, cur):
+        x = gather_block(b, cur).to(torch.float64)
+        A = _gl_element(b, a, generator, x.device)
+        G, H = x[:, : b.n], x[:, b.n :]
+        G2 = transpose(torch.linalg.solve(transpose(A), transpose(G)))  # G A⁻¹
+        H2 = H @ transpose(A)  # H Aᵀ
+        scatter_block(b, torch.cat([G2, H2], dim=-2), cur)
+    for f in folds:
+        cur = f.act(cur, generator, a)
+    return {n: cur[n].to(params[n].dtype) for n in params}
 
 
 def reparametrize(
     model: nn.Module,
-    scale: float,
-    seed: int = 0,
     *,
+    a: float = 1.0,
+    generator: torch.Generator | None = None,
+    symmetry: str = "full",
     blocks: Sequence[BlockSpec] | None = None,
+    declared: Iterable[BlockSpec] = (),
+    example_inputs: tuple[tuple, dict] | None = None,
 ) -> nn.Module:
-    r"""A deep copy of ``model`` with every GL block moved by ``A = scale·G̃`` per head.
+    r"""A deep copy of `model` moved by a random element of its symmetry group.
+
+    The self-test of invariance: the copy computes the same function (to rounding), and every
+    measure that claims invariance under `symmetry` must give the same value on it.
 
     Parameters
     ----------
     model : nn.Module
         Not modified.
-    scale : float
-        ``a`` in ``A = a·G̃`` (the paper sweeps ``a ∈ [10⁻², 10²]``).
-    seed : int
-        Seed of the Gaussian ``G̃`` (one ``h×h`` matrix per head, drawn in block order).
+    a : float
+        Scale of the group element: $A = a\,\tilde G$ per GL head (the paper sweeps
+        $a ∈ [10^{-2}, 10^{2}]$), norm-gain factors $c = a\,s\,e^{z}$ ($z \sim N(0, 1)$, random
+        sign $s$), translations $t \sim N(0, a^2 I)$, subgroup elements $a \exp(X)$ with
+        $\|X\|_2 = 1$.
+    generator : torch.Generator, optional
+        Source of the random element (default: torch's global generator).
+    symmetry : {"full", "paper"}
+        `"full"`: every symmetry the library claims (GL or subgroup blocks, grouped K/V heads,
+        norm gains, bias translations, q/k norms).  `"paper"`: GL(h) per recognised head only,
+        the group of the paper's measure.
     blocks : sequence of BlockSpec, optional
-        Blocks to transform; default: :func:`discover_blocks` of the copy (without warnings).
+        Use these blocks instead of discovering them (folds are still found in `"full"`).
+    declared : iterable of BlockSpec
+        Extra user blocks ([`declare_block`][quotient_manifolds.models.blocks.declare_block]).
+    example_inputs : (args, kwargs), optional
+        An input for the probes that confirm the folds (default: derived from the model's
+        configuration where possible).
 
     Returns
     -------
     nn.Module
-        The reparametrised copy.  The algebra runs in float64 and is cast back
-        to each parameter's dtype.
+        The reparametrised copy; its parameters keep their dtypes (the algebra runs in float64).
+
+    Examples
+    --------
+    ```python
+    moved = qm.reparametrize(model, a=10.0, generator=torch.Generator().manual_seed(0))
+    ```
     """
+    if symmetry not in SYMMETRIES:
+        raise ValueError(f"symmetry must be one of {SYMMETRIES}, got {symmetry!r}")
+    bl, folds = _symmetries(model, symmetry, blocks, declared, example_inputs)
     new = copy.deepcopy(model)
-    params = dict(new.named_parameters())
-    if blocks is None:
-        blocks = list(discover(new, symmetry="paper", warn=False, probe=False).blocks)
-    else:
-        blocks = [b.resolved(params) for b in blocks]
-    gen = torch.Generator().manual_seed(int(seed))
-    cur = {n: p.detach() for n, p in params.items()}
-    for b in blocks:
-        x = gather_block(b, cur).to(torch.float64)
-        A = scale * torch.randn(b.heads, b.h, b.h, generator=gen, dtype=torch.float64).to(x.device)
-        G, H = x[:, : b.n], x[:, b.n :]
-        G2 = transpose(torch.linalg.solve(transpose(A), transpose(G)))  # G A⁻¹
-        H2 = H @ transpose(A)  # H Aᵀ
-        scatter_block(b, torch.cat([G2, H2], dim=-2), cur)
+    params = {n: p.detach() for n, p in new.named_parameters()}
+    moved = transform_params(params, bl, folds, a=a, generator=generator)
+    live = dict(new.named_parameters())
     with torch.no_grad():
-        for n, p in params.items():
-            if cur[n] is not p:
-                p.copy_(cur[n])
+        for n, t in moved.items():
+            if t is not params[n]:
+                live[n].copy_(t)
     return new
