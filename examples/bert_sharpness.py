@@ -41,7 +41,8 @@ def main() -> None:
     print(f"geodesic sharpness (inv, second order, rho={rho}): {geo.value:.6g}")
     print(f"adaptive sharpness (l2, rho={rho}):                {ad.value:.6g}")
 
-    moved = qm.reparametrize(model, a=10.0, generator=torch.Generator().manual_seed(0))  # the same function, other weights
+    # the same function, other weights: a random element of the full symmetry group
+    moved = qm.reparametrize(model, a=10.0, generator=torch.Generator().manual_seed(0))
     geo2 = qm.geodesic_sharpness(moved, loss_fn, data, rho=rho, n_iter=n_iter)
     ad2 = qm.adaptive_sharpness(moved, loss_fn, data, rho=rho, n_iter=n_iter)
     print(f"after reparametrize(a=10): geodesic ratio {geo2.value / geo.value:.4f}, "
