@@ -8,9 +8,10 @@ name                            call
 ``adaptive``                    :func:`~quotient_manifolds.adaptive_sharpness`, ℓ2, worst
 ``geodesic_inv`` / ``_mix``     :func:`~quotient_manifolds.geodesic_sharpness`, Eq. 5
                                 (second-order) retraction, worst case (paper Eq. 4)
-``geodesic_*_first_order``      ablation (a): ``retraction="first_order"`` (``w + ξ``, no
-                                second-order term)
-``geodesic_*_adaptive_norm``    ablation (b): the ball is ``‖ξ ⊘ |w|‖₂ ≤ ρ`` instead of
+``geodesic_*_first_order``      App. G ablation (b), the second-order term dropped:
+                                ``retraction="first_order"`` (``w + ξ``)
+``geodesic_*_adaptive_norm``    App. G ablation (a), the Riemannian norm replaced by the
+                                adaptive norm: the ball is ``‖ξ ⊘ |w|‖₂ ≤ ρ`` instead of
                                 ``‖ξ‖_w ≤ ρ`` (``ball_norm="adaptive"``)
 ``*_average``                   average case, ``n_iter`` Gaussian samples (spec §7.2)
 ==============================  =========================================================

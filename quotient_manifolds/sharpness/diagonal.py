@@ -27,7 +27,7 @@ and the ball weights ``A`` chosen by ``ball`` (spec §5.2, §10.1, §12.7):
 ``ball``            inv                     mix
 ==================  ======================  ============================================
 ``"metric"``        ``A = √2``              ``A = √2 |β|`` (``‖ξ‖²_mix = 2‖β ⊙ b‖²``)
-``"coefficient"``   ``A = 1``               ``A = 1`` (App. E: ``‖b‖ ≤ ρ``)
+``"coefficient"``   ``A = 1``               ``A = 1`` (``‖b‖ ≤ ρ``, App. E's inv ball)
 ``"adaptive"``      ``A = √2``              ``A = √2`` (App. G ablation (a): ``‖ξ ⊘ |w|‖``)
 ==================  ======================  ============================================
 
@@ -35,6 +35,11 @@ For inv the metric norm *is* the adaptive norm (App. F), so ``"adaptive"`` = ``"
 there, and ``"coefficient"`` only rescales ρ by √2.  For mix the three differ: with the
 metric norm, ``β' − β = 2β ⊙ b`` ranges over a Euclidean ball of radius ``√2ρ`` whatever
 the model, and only the domain below depends on it.
+
+The ``"metric"`` row of mix is App. E's mix convention: App. E derives the mix closed form
+with the β-weighted norm ``‖2 D_β b‖ = √2 ‖ξ‖_mix``, i.e. the metric ball up to √2 in ρ.
+``‖b‖ ≤ ρ`` (``"coefficient"``) is App. E's *inv* convention (where it is the metric ball up
+to √2 in ρ); applied to mix it is a different ball.
 
 The mix geodesic ``u√(1 + 2b)`` needs ``1 + 2b > 0`` (spec §6.4.1), so its feasible set is
 ``𝒟 = {b_i ≥ −½ + δ}``.  The box contains 0 and is star-shaped about it, so "clamp, then
@@ -50,6 +55,14 @@ Euclidean: the step ``η ∇_s/‖∇_s‖`` is then the normalised Riemannian g
 spec §8.3.  The average case (spec §7.2) draws ``s ~ N(0, ρ² I)``, i.e. Gaussian ξ with
 covariance ``ρ²`` × the inverse of the ball's quadratic form on the horizontal space;
 coordinates that leave the mix domain are redrawn (a truncated Gaussian).
+
+**Unconstrained mix** (``domain=False``, exact mix only). The formula ``β' = β(1 + 2b)`` is a
+polynomial that can be continued past the geodesic's domain: then ``β' = β + D s`` with
+``s = A ⊙ b`` and ``D = diag(2β/A)``, and the loss increase
+``f(s) = gᵀs + ½ sᵀ M s`` (``g = 2c D Xᵀ r``, ``M = 2c D XᵀX D``, ``r = Xβ − y``) is a convex
+quadratic on the ball ``‖s‖ ≤ ρ``: a trust-region problem, solved exactly
+(:func:`mix_trust_region`: eigendecomposition of ``M`` and the secular equation, with the
+"hard case"). The average case then draws untruncated Gaussians.
 """
 
 from __future__ import annotations
@@ -70,6 +83,7 @@ __all__ = [
     "ball_scale",
     "diagonal_loss",
     "diagonal_sharpness",
+    "mix_trust_region",
     "perturb_horizontal",
 ]
 
@@ -214,6 +228,77 @@ def apgd_batched(
     return best, best_s
 
 
+def _half_or_sum(n: int, reduction: str) -> float:
+    if reduction == "sum":
+        return 1.0
+    if reduction == "half_mean":
+        return 1.0 / (2 * n)
+    raise ValueError(f"reduction must be 'sum' or 'half_mean', got {reduction!r}")
+
+
+def mix_trust_region(
+    u: torch.Tensor,
+    v: torch.Tensor,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    rho: float,
+    ball: str = "metric",
+    reduction: str = "half_mean",
+    n_bisect: int = 200,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Exact maximum of the unconstrained mix loss increase over the ball, per row.
+
+    Maximises ``f(s) = gᵀs + ½ sᵀMs`` over ``‖s‖₂ ≤ ρ`` (module docstring; ``s = A ⊙ b``,
+    ``A`` from :func:`ball_scale`, masked coordinates held at 0). ``M ⪰ 0``, so the maximum
+    lies on the sphere; with ``M = Q Λ Qᵀ`` and ``a = Qᵀg`` the maximiser is
+    ``z = (μ − Λ)⁻¹ a`` with ``μ > λ_max`` solving ``‖z(μ)‖ = ρ`` (bisection on
+    ``(λ_max, λ_max + ‖a‖/ρ]``, where ``‖z‖`` is decreasing), or, in the hard case
+    (``a`` orthogonal to the top eigenspace and ``‖z(λ_max)‖ < ρ``),
+    ``z = (λ_max − Λ)^+ a + τ e_max`` on the sphere.
+
+    Returns
+    -------
+    value, s : ``(B,)`` and ``(B, d)``
+        The maximal loss increase and the maximiser in the ``s`` coordinates.
+    """
+    dt = torch.float64
+    u, v, X, y = (t.to(dt) for t in (u, v, X, y))
+    c = _half_or_sum(X.shape[0], reduction)
+    beta = u * v
+    A = ball_scale(u, v, "mix", ball)
+    ok = (u != 0) & (v != 0) & (A > 0)
+    D = torch.where(ok, 2 * beta / torch.where(ok, A, torch.ones_like(A)), torch.zeros_like(A))
+    r = beta @ X.T - y
+    g = 2 * c * D * (r @ X)
+    M = 2 * c * D[:, :, None] * (X.T @ X) * D[:, None, :]
+    lam, Q = torch.linalg.eigh(M)
+    a = torch.einsum("bij,bi->bj", Q, g)
+    lmax = lam[:, -1:]
+    scale = lam.abs().amax(-1, keepdim=True).clamp_min(1.0)
+    top = lam >= lmax - 1e-12 * scale
+    anorm = a.norm(dim=-1, keepdim=True)
+    # hard case: no weight on the top eigenspace and the interior point inside the ball
+    gap = torch.where(top, torch.ones_like(lam), lmax - lam)
+    z0 = torch.where(top, torch.zeros_like(a), a / gap)
+    a_top = torch.where(top, a, torch.zeros_like(a)).norm(dim=-1)
+    hard = (a_top <= 1e-12 * anorm.squeeze(-1).clamp_min(1e-300)) & (z0.norm(dim=-1) <= rho)
+    lo = torch.zeros_like(lmax)
+    hi = anorm / rho + 1e-300
+    for _ in range(n_bisect):
+        mid = 0.5 * (lo + hi)
+        too_long = (a / (mid + lmax - lam)).norm(dim=-1, keepdim=True) > rho
+        lo = torch.where(too_long, mid, lo)
+        hi = torch.where(too_long, hi, mid)
+    z = a / (hi + lmax - lam)
+    fill = (rho**2 - (z0 * z0).sum(-1, keepdim=True)).clamp_min(0.0).sqrt()
+    e_top = torch.zeros_like(a)
+    e_top[:, -1] = 1.0
+    z = torch.where(hard[:, None], z0 + fill * e_top, z)
+    value = (a * z).sum(-1) + 0.5 * (lam * z * z).sum(-1)
+    return value, torch.einsum("bij,bj->bi", Q, z)
+
+
 # -- public entry point -----------------------------------------------------------------
 def diagonal_sharpness(
     u: torch.Tensor,
@@ -233,6 +318,7 @@ def diagonal_sharpness(
     seed: int | Sequence[int] = 0,
     reduction: str = "half_mean",
     domain_margin: float = 1e-6,
+    domain: bool = True,
 ) -> torch.Tensor:
     r"""Sharpness of a population of diagonal networks, one value per row of ``u``, ``v``.
 
@@ -251,7 +337,8 @@ def diagonal_sharpness(
     retraction : {"exact", "second_order", "first_order"}
     ball : {"metric", "coefficient", "adaptive"}
         The radius convention (module docstring): the metric norm ``‖ξ‖_w ≤ ρ``, the
-        paper's App. E ``‖b‖ ≤ ρ``, or the adaptive norm ``‖ξ ⊘ |w|‖ ≤ ρ`` (ablation).
+        coefficient ball ``‖b‖ ≤ ρ`` (App. E's inv convention), or the adaptive norm
+        ``‖ξ ⊘ |w|‖ ≤ ρ`` (App. G ablation (a)).
     kind : {"worst", "average"}
         Auto-PGD maximum (``n_iter`` steps, zero start plus ``n_restarts`` random
         starts) or the mean over ``n_samples`` Gaussian draws (spec §7.2).
@@ -263,6 +350,11 @@ def diagonal_sharpness(
         Loss convention (:func:`diagonal_loss`); it scales every value by the same factor.
     domain_margin : float
         ``δ`` in the mix domain ``b ≥ −½ + δ``.
+    domain : bool
+        ``False`` (exact mix only): drop the domain constraint ``1 + 2b > 0`` and continue
+        ``β(1 + 2b)`` past it (the unconstrained mix of the module docstring); the worst case
+        is then solved exactly by :func:`mix_trust_region` (``n_iter``/``n_restarts``
+        unused), the average case draws untruncated Gaussians.
 
     Returns
     -------
@@ -280,6 +372,12 @@ def diagonal_sharpness(
         raise ValueError(f"measure must be 'geodesic' or 'adaptive', got {measure!r}")
     if kind not in ("worst", "average"):
         raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
+    unconstrained = not domain
+    if unconstrained and (measure != "geodesic" or metric != "mix" or retraction != "exact"):
+        raise ValueError("domain=False only applies to the exact mix geodesic (measure="
+                         "'geodesic', metric='mix', retraction='exact')")
+    if unconstrained and kind == "worst":
+        return mix_trust_region(u, v, X, y, rho=rho, ball=ball, reduction=reduction)[0]
     dt = torch.float64
     u, v, X, y = (t.to(dt) for t in (u, v, X, y))
     B, d = u.shape
@@ -315,12 +413,15 @@ def diagonal_sharpness(
         ok = (u != 0) & (v != 0) & (A > 0)
         mask = ok.to(dt)
         A = torch.where(ok, A, torch.ones_like(A))
-        lower = (-0.5 + domain_margin) * A if metric == "mix" and retraction == "exact" else None
+        lower = ((-0.5 + domain_margin) * A
+                 if metric == "mix" and retraction == "exact" and domain else None)
 
         # masked coordinates (u_i v_i = 0) stay at β_i; the geodesic only sees safe ones
         us, vs, beta0 = torch.where(ok, u, 1.0), torch.where(ok, v, 1.0), u * v
 
         def beta_of(s):
+            if unconstrained:  # β(1 + 2b) continued past 1 + 2b > 0
+                return beta0 * (1 + 2 * s / A * mask)
             return torch.where(ok, perturb_horizontal(us, vs, s / A * mask, metric, retraction),
                                beta0)
 
