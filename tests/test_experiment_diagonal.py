@@ -84,7 +84,8 @@ def test_mix_metric_ball_closed_form(rho):
 
 
 def test_mix_coefficient_ball_trust_region():
-    """Coefficient ball ‖b‖ ≤ ρ (App. E's inv convention): max of 4bᵀD r' + 4bᵀD²b, a trust-region problem (secular equation)."""
+    """Coefficient ball ‖b‖ ≤ ρ (App. E's inv convention): max of 4bᵀD r' + 4bᵀD²b, a
+    trust-region problem (secular equation)."""
     from scipy.optimize import brentq
 
     X, y, bstar, u, v = _orthogonal_problem(B=2)

@@ -99,7 +99,7 @@ def train_to_convergence(
     batch: int,
     epochs: int,
     rule: PlateauRule,
-    step: Callable[[torch.Tensor, float], None],
+    step: Callable[[torch.Tensor, float, int], None],
     evaluate: Callable[[], tuple[float, float]],
     generator: torch.Generator,
     warmup: float = 0.1,
@@ -119,7 +119,8 @@ def train_to_convergence(
     rule : PlateauRule
         The convergence rule.
     step : callable
-        `step(idx, lr_factor)`: one optimiser step on the examples `idx`.
+        `step(idx, lr_factor, epoch)`: one optimiser step on the examples `idx` (`epoch`
+        counts from 1; epochs after $E$ are extension epochs).
     evaluate : callable
         `evaluate() -> (loss, acc)` on the full training set (own labels, own objective).
     generator : torch.Generator
@@ -144,7 +145,7 @@ def train_to_convergence(
         perm = torch.randperm(n, generator=generator)
         for i in range(0, n, batch):
             step(perm[i:i + batch], lr_factor(done, scheduled, warmup=warmup,
-                                              final_lr_frac=final_lr_frac))
+                                              final_lr_frac=final_lr_frac), e)
             done += 1
         if e >= epochs - rule.k:
             loss, acc = evaluate()

@@ -253,7 +253,7 @@ def train_member(bert: nn.Module, hyper: dict, data: dict, *, core: int = CORE,
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": float(hyper["weight_decay"])},
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
 
-    def step(b: torch.Tensor, factor: float) -> None:
+    def step(b: torch.Tensor, factor: float, epoch: int) -> None:
         for grp in opt.param_groups:
             grp["lr"] = lr * factor
         loss = F.cross_entropy(model(ids[b], mask[b]), y[b], label_smoothing=ls)

@@ -1,0 +1,138 @@
+r"""The template of a trained-population reproduction: sample, train, measure, summarise.
+
+Every transformer population (`grokking`, `vit-digits`, `lora-minilm`, `minilm-finetune`,
+`vit-finetune`) runs the same skeleton,
+[`PopulationExperiment.run`][quotient_manifolds.experiments.template.PopulationExperiment.run]:
+
+1. `prepare` loads what the members share (data, a pretrained model) once;
+2. the hyperparameters of every member come from `hypers` (a fixed sampler); a member's id
+   is its index plus a hash of its hyperparameters and the training protocol (`training`),
+   so a changed protocol retrains instead of reusing stale weights;
+3. every member not yet in the
+   [`PopulationStore`][quotient_manifolds.experiments.store.PopulationStore] is trained
+   (`train`) and saved;
+4. members that fail the experiment's filter (`keep`) are reported, not measured;
+5. `measure` computes the sharpness measures of the kept members, cached per member under
+   the hash of the measure protocol (`measure_protocol`), so an interrupted run resumes;
+6. `finish` writes `results.json` (schema of [`report`][quotient_manifolds.experiments.report])
+   and the figures.
+
+A subclass fills in the hooks; the experiment module exposes
+`run(out, *, quick=False, progress=True)` as `EXPERIMENT.run`. Hooks that call the
+module's own functions look them up at call time, so tests can replace them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .store import PopulationStore, protocol_hash
+
+__all__ = ["Member", "PopulationExperiment"]
+
+
+@dataclass
+class Member:
+    """One trained member: its id, hyperparameters and training record."""
+
+    id: str
+    hyper: dict
+    meta: dict
+    measures: dict = field(default_factory=dict)
+
+
+class PopulationExperiment:
+    """Base class of a population reproduction (module docstring).
+
+    Attributes
+    ----------
+    name : str
+        The command-line name and the output sub-folder.
+    """
+
+    name: str = ""
+
+    # -- hooks ---------------------------------------------------------------------------
+    def prepare(self, store: PopulationStore, quick: bool) -> Any:
+        """Shared resources of the run (passed to the other hooks as `ctx`)."""
+        return None
+
+    def hypers(self, quick: bool) -> list[dict]:
+        """The hyperparameters of every member, in order (a fixed sampler)."""
+        raise NotImplementedError
+
+    def training(self, quick: bool) -> dict:
+        """The training protocol; it enters every member's id."""
+        raise NotImplementedError
+
+    def train(self, ctx: Any, hyper: dict, quick: bool) -> tuple[Mapping[str, torch.Tensor], dict]:
+        """Train one member: `(state_dict, meta)`."""
+        raise NotImplementedError
+
+    def keep(self, member: Member, quick: bool) -> bool:
+        """Whether a trained member is measured (default: every member)."""
+        return True
+
+    def measure_protocol(self, quick: bool) -> dict:
+        """Everything that defines the measured values; its hash keys the measure cache."""
+        raise NotImplementedError
+
+    def measure(self, ctx: Any, store: PopulationStore, members: Sequence[Member],
+                mhash: str, quick: bool, progress: bool) -> None:
+        """Fill `member.measures` of every kept member (cached in `store` under `mhash`)."""
+        raise NotImplementedError
+
+    def finish(self, ctx: Any, store: PopulationStore, members: Sequence[Member],
+               dropped: Sequence[Member], *, mhash: str, quick: bool, t_start: float) -> dict:
+        """Summarise: write `results.json` and the figures, return the results dict."""
+        raise NotImplementedError
+
+    # -- the skeleton --------------------------------------------------------------------
+    def member_ids(self, hypers: Sequence[dict], training: Mapping) -> list[str]:
+        """`m<index>-<hash of hyperparameters and training protocol>`."""
+        return [f"m{i:02d}-{protocol_hash({**h, **training})[:8]}" for i, h in enumerate(hypers)]
+
+    def train_population(self, out: str | os.PathLike, *, quick: bool = False,
+                         progress: bool = True, ctx: Any = None,
+                         ) -> tuple[PopulationStore, list[Member], Any]:
+        """Steps 1–3: train every member not on disk; returns the store, members and `ctx`."""
+        store = PopulationStore(out, self.name)
+        if ctx is None:
+            ctx = self.prepare(store, quick)
+        hypers = self.hypers(quick)
+        ids = self.member_ids(hypers, self.training(quick))
+        store.train_missing(ids, hypers, lambda h: self.train(ctx, h, quick),
+                            desc=f"{self.name}: train", progress=progress)
+        members = [Member(mid, h, store.load_meta(mid)) for mid, h in zip(ids, hypers)]
+        return store, members, ctx
+
+    def run(self, out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
+        """Train (or load) the population, measure it, write `out/<name>/results.json`.
+
+        Parameters
+        ----------
+        out : path
+            Output folder; results go to `out/<name>/`.
+        quick : bool
+            The experiment's smoke protocol (a few members, a few steps).
+        progress : bool
+            tqdm bars on stderr.
+
+        Returns
+        -------
+        dict
+            The `results.json` content.
+        """
+        t_start = time.perf_counter()
+        store, members, ctx = self.train_population(out, quick=quick, progress=progress)
+        kept = [m for m in members if self.keep(m, quick)]
+        dropped = [m for m in members if not self.keep(m, quick)]
+        mhash = protocol_hash(self.measure_protocol(quick))
+        self.measure(ctx, store, kept, mhash, quick, progress)
+        return self.finish(ctx, store, kept, dropped, mhash=mhash, quick=quick, t_start=t_start)
