@@ -37,8 +37,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
+from torch import nn
 
-__all__ = ["PlateauRule", "lr_factor", "train_to_convergence"]
+from .template import Member, PopulationExperiment
+
+__all__ = ["FinetuneExperiment", "PlateauRule", "lr_factor", "train_to_convergence"]
 
 
 @dataclass(frozen=True)
@@ -158,3 +161,165 @@ def train_to_convergence(
     return {"history": history, "converged": converged, "epochs_run": e,
             "converged_epoch": e if converged else None, "steps": done,
             "train_s": time.perf_counter() - t0}
+
+
+# -- the population template of the fine-tuned populations -----------------------------------
+class FinetuneExperiment(PopulationExperiment):
+    r"""A converged fine-tuned population measured over a ρ sweep.
+
+    Subclasses provide the training hooks of
+    [`PopulationExperiment`][quotient_manifolds.experiments.template.PopulationExperiment]
+    plus `build(ctx, member, state, quick)` (the member's model), `batches(ctx, member,
+    quick)` (the fixed measurement batches, own labels), `loss_fn(model, batch)`, and the
+    measurement settings below. The measurement protocol, fixed before any τ is computed:
+
+    * members that did not meet the convergence rule are reported and not measured;
+    * the radius of each norm family (adaptive, inv, mix) is calibrated once, on the first
+      converged member, by
+      [`calibrate_rho`][quotient_manifolds.experiments.sharpness_suite.calibrate_rho]
+      (1-2-5 grid, worst-case loss increase closest to 0.1 nats), and cached;
+    * every measure of `SWEEP_MEASURES` runs at the calibrated radius of its norm times
+      `RHO_FACTORS` (1/3, 1, 3), headline at 1
+      ([`measure_sweep`][quotient_manifolds.experiments.sharpness_suite.measure_sweep]).
+    """
+
+    gap_name = "test error − train error"
+    n_iter: int = 20
+    quick_n_iter: int = 2
+    float64: bool = False
+    seed: int = 0
+    params_doc: str = "every parameter"
+
+    def params(self, quick: bool):
+        """Predicate `(name, param) -> bool` of the perturbed weights (None: all)."""
+        return None
+
+    def build(self, ctx, member: Member, state, quick: bool) -> nn.Module:
+        raise NotImplementedError
+
+    def batches(self, ctx, member: Member, quick: bool) -> list:
+        raise NotImplementedError
+
+    def batches_doc(self, quick: bool) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def keep(self, member, quick):
+        return bool(member.meta["converged"])
+
+    def measure_protocol(self, quick):
+        from .sharpness_suite import (
+            CALIBRATION_MEASURES,
+            CALIBRATION_TARGET,
+            RHO_CANDIDATES,
+            RHO_FACTORS,
+            SWEEP_MEASURES,
+        )
+
+        return {"measures": {k: list(v) for k, v in SWEEP_MEASURES.items()},
+                "calibration": {"measures": CALIBRATION_MEASURES, "target": CALIBRATION_TARGET,
+                                "grid": list(RHO_CANDIDATES), "member": "first converged"},
+                "factors": list(RHO_FACTORS), "average_rho": "rho/sqrt(D)",
+                "n_iter": self.quick_n_iter if quick else self.n_iter, "seed": self.seed,
+                "dtype": "float64" if self.float64 else "float32",
+                "batches": self.batches_doc(quick), "params": self.params_doc}
+
+    def _model(self, ctx, store, member, quick):
+        state, _ = store.load_member(member.id)
+        return self.build(ctx, member, state, quick)
+
+    def calibration(self, ctx, store, members, mhash, quick) -> dict:
+        """The calibrated radii (computed once on the first converged member, then cached)."""
+        import json
+
+        from .sharpness_suite import calibrate_rho
+        from .store import atomic_write_text
+
+        path = store.dir / f"calibration-{mhash}.json"
+        if path.exists():
+            return json.loads(path.read_text())["calibration"]
+        m = members[0]
+        model = self._model(ctx, store, m, quick)
+        if self.float64:
+            model = model.double()
+        batches = self.batches(ctx, m, quick)
+        if self.float64:
+            from .sharpness_suite import _to64
+
+            batches = [_to64(b) for b in batches]
+        cal = calibrate_rho(model, self.loss_fn, batches,
+                            n_iter=self.quick_n_iter if quick else self.n_iter,
+                            params=self.params(quick), seed=self.seed)
+        atomic_write_text(path, json.dumps({"member": m.id, "calibration": cal}, indent=1))
+        return cal
+
+    def measure(self, ctx, store, members, mhash, quick, progress):
+        import sys
+
+        from tqdm.auto import tqdm
+
+        from .sharpness_suite import SWEEP_MEASURES, measure_sweep, sweep_radii
+
+        if not members:
+            ctx["calibration"] = {}
+            return
+        cal = self.calibration(ctx, store, members, mhash, quick)
+        ctx["calibration"] = cal
+        radii = sweep_radii(cal)
+        total = len(members) * sum(len(radii[fam]) for _, fam in SWEEP_MEASURES.values())
+        bar = tqdm(total=total, desc=f"{self.name}: sharpness", file=sys.stderr,
+                   disable=not progress)
+        for m in members:
+            model = self._model(ctx, store, m, quick)
+            m.measures = measure_sweep(
+                model, self.loss_fn, self.batches(ctx, m, quick), radii=radii,
+                n_iter=self.quick_n_iter if quick else self.n_iter, seed=self.seed,
+                cached=store.load_measures(m.id, mhash),
+                save=lambda v, mid=m.id: store.save_measures(mid, mhash, v),
+                params=self.params(quick), float64=self.float64, bar=bar)
+        bar.close()
+
+    def settings(self, quick: bool) -> dict:
+        """The population's description for `results.json` (sampler, grid)."""
+        raise NotImplementedError
+
+    def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
+        import time
+
+        from .sharpness_suite import finish_sweep, params_applied
+
+        def record(m):
+            meta = m.meta
+            return {"id": m.id, "hyper": {k: v for k, v in m.hyper.items() if k != "seed"},
+                    "seed": m.hyper["seed"], "gap": meta["gap"], "loss_gap": meta["loss_gap"],
+                    **{k: meta[k] for k in ("train_loss", "train_acc", "train_acc_clean_labels",
+                                            "test_loss", "test_acc", "converged",
+                                            "converged_epoch", "epochs_run", "steps",
+                                            "train_s", "history")}}
+
+        records = [{**record(m), "measures": m.measures,
+                    "measures_norms": m.measures.get("_norms", {})} for m in members]
+        everyone = [*members, *dropped]
+        settings = {"population": self.settings(quick), "training": self.training(quick),
+                    "measure_protocol": self.measure_protocol(quick),
+                    "measure_protocol_hash": mhash, "params_applied":
+                    params_applied(self.params(quick)), "quick": quick,
+                    "unavailable_measures": sorted({u for m in members
+                                                    for u in m.measures.get("_unavailable", [])})}
+        extra = {"convergence": {
+                     "rule": self.training(quick)["rule"], "n_members": len(everyone),
+                     "n_converged": len(members),
+                     "not_converged": [{k: v for k, v in record(m).items()
+                                        if k in ("id", "hyper", "epochs_run", "train_acc",
+                                                 "history")} for m in dropped],
+                     "epochs_run": {m.id: m.meta["epochs_run"] for m in everyone}},
+                 "train_time_s_total": sum(m.meta["train_s"] for m in everyone),
+                 "train_wall_s_total": sum(m.meta.get("wall_s", math.nan) for m in everyone),
+                 "run_time_s": time.perf_counter() - t_start}
+        return finish_sweep(self.name, store.dir, records, gap_name=self.gap_name,
+                            calibration=ctx.get("calibration", {}), settings=settings,
+                            second_gap=("test CE − train CE", "loss_gap"), extra=extra,
+                            n_boot=200 if quick else 2000)

@@ -39,6 +39,8 @@ EXPERIMENTS: dict[str, str] = {
     "grokking": "grokking",
     "vit-digits": "vit_digits",
     "lora-minilm": "lora_minilm",
+    "minilm-finetune": "minilm_finetune",
+    "vit-finetune": "vit_finetune",
 }
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["kendall_tau", "granulated_tau"]
+__all__ = ["conditional_tau", "discretize", "granulated", "granulated_tau", "kendall_tau"]
 
 
 def kendall_tau(
@@ -119,3 +119,98 @@ def granulated_tau(
             if np.isfinite(t):
                 taus.append(float(t))
     return float(np.mean(taus)) if taus else math.nan
+
+
+def discretize(values: Sequence, max_levels: int = 4, bins: int = 3) -> list:
+    r"""Levels of one hyperparameter axis for stratification.
+
+    An axis with at most `max_levels` distinct values keeps them; a continuous axis (e.g. a
+    log-uniform learning rate) is cut into `bins` equal-count bins of its sorted values
+    (level = bin index).
+    """
+    vals = list(values)
+    distinct = sorted(set(vals), key=lambda v: (str(type(v)), v))
+    if len(distinct) <= max_levels:
+        return vals
+    order = np.argsort(np.asarray(vals, dtype=float), kind="stable")
+    level = np.empty(len(vals), dtype=int)
+    for b, chunk in enumerate(np.array_split(order, bins)):
+        level[chunk] = b
+    return level.tolist()
+
+
+def granulated(
+    x: Sequence[float], y: Sequence[float], hypers: Sequence[dict], *, min_group: int = 2
+) -> dict:
+    r"""Granulated τ of Jiang et al. (2020) on a sampled (not gridded) population.
+
+    For every axis $i$ the members are grouped by the levels (`discretize`) of all *other*
+    axes; τ is computed inside every group of at least `min_group` members in which axis $i$
+    takes more than one value, and averaged over the groups ($\psi_i$); $\Psi$ is the mean of
+    the $\psi_i$ that exist. With randomly sampled hyperparameters few members share all
+    other levels, so the number of groups and members used is reported with every $\psi_i$.
+
+    Returns
+    -------
+    dict
+        `{"psi": Ψ, "axes": {axis: {"tau": ψ_i, "n_groups": int, "n_members": int}}}`.
+    """
+    from scipy.stats import kendalltau
+
+    xa, ya = np.asarray(x, float), np.asarray(y, float)
+    axes = sorted({k for h in hypers for k in h})
+    levels = {a: discretize([h.get(a) for h in hypers]) for a in axes}
+    out: dict = {"axes": {}}
+    for a in axes:
+        buckets: dict = {}
+        for i in range(len(hypers)):
+            if not (np.isfinite(xa[i]) and np.isfinite(ya[i])):
+                continue
+            key = tuple(str(levels[b][i]) for b in axes if b != a)
+            buckets.setdefault(key, []).append(i)
+        taus, used = [], 0
+        for idx in buckets.values():
+            if len(idx) >= min_group and len({str(levels[a][i]) for i in idx}) > 1:
+                t = kendalltau(xa[idx], ya[idx]).statistic
+                if np.isfinite(t):
+                    taus.append(float(t))
+                    used += len(idx)
+        out["axes"][a] = {"tau": float(np.mean(taus)) if taus else math.nan,
+                          "n_groups": len(taus), "n_members": used}
+    psis = [d["tau"] for d in out["axes"].values() if math.isfinite(d["tau"])]
+    out["psi"] = float(np.mean(psis)) if psis else math.nan
+    return out
+
+
+def conditional_tau(x: Sequence[float], y: Sequence[float], strata: Sequence) -> dict:
+    r"""τ of `x` against `y` within the strata of one hyperparameter, pooled.
+
+    Pairs of members in the same stratum only (levels of `discretize`): τ-b of the pooled
+    within-stratum pairs, $\sum_s C_s - D_s$ over $\sqrt{(\sum_s n^x_s)(\sum_s n^y_s)}$
+    (untied pairs per side). It removes the part of the rank agreement that comes from the
+    stratifying hyperparameter.
+
+    Returns
+    -------
+    dict
+        `{"tau": float, "n_pairs": int, "n_strata": int}`.
+    """
+    xa, ya = np.asarray(x, float), np.asarray(y, float)
+    lev = discretize(list(strata))
+    conc = nx = ny = 0.0
+    pairs, groups = 0, set()
+    for s in {str(v) for v in lev}:
+        idx = [i for i, v in enumerate(lev) if str(v) == s
+               and np.isfinite(xa[i]) and np.isfinite(ya[i])]
+        if len(idx) < 2:
+            continue
+        groups.add(s)
+        sx = np.sign(xa[idx][:, None] - xa[idx][None, :])
+        sy = np.sign(ya[idx][:, None] - ya[idx][None, :])
+        iu = np.triu_indices(len(idx), 1)
+        conc += float((sx * sy)[iu].sum())
+        nx += float(np.abs(sx)[iu].sum())
+        ny += float(np.abs(sy)[iu].sum())
+        pairs += len(iu[0])
+    tau = conc / math.sqrt(nx * ny) if nx > 0 and ny > 0 else math.nan
+    return {"tau": tau, "n_pairs": pairs, "n_strata": len(groups)}

@@ -58,10 +58,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .finetune import PlateauRule, lr_factor, train_to_convergence
+from .finetune import FinetuneExperiment, PlateauRule, lr_factor, train_to_convergence
 from .store import PopulationStore, protocol_hash
 
 __all__ = [
+    "EXPERIMENT",
     "NAME",
     "N_MEMBERS",
     "RULE",
@@ -71,6 +72,7 @@ __all__ = [
     "mnist_splits",
     "pretrain",
     "random_shift",
+    "run",
     "sample_population",
     "train_member",
     "train_population",
@@ -88,6 +90,9 @@ PRETRAIN_EPOCHS = 60
 PRETRAIN_LR = 2e-3
 MAX_SHIFT = 2
 EVAL_BATCH = 500
+#: measurement: the first N_SHARP core images as one batch; APGD iterations / samples
+N_SHARP, QUICK_SHARP = 128, 16
+N_ITER = 20
 VIT = {"image_size": 28, "patch_size": 7, "num_channels": 1, "hidden_size": 64,
        "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 128,
        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": 10}
@@ -294,8 +299,10 @@ def train_member(pretrained: dict, hyper: dict, data: dict, *, vit: dict = VIT,
     head = model.classifier
     bound = 1.0 / math.sqrt(head.in_features)
     with torch.no_grad():
-        head.weight.copy_(torch.rand(head.weight.shape, generator=g) * 2 * bound - bound)
-        head.bias.copy_(torch.rand(head.bias.shape, generator=g) * 2 * bound - bound)
+        f32 = torch.float32  # the draws do not depend on the default dtype
+        head.weight.copy_(torch.rand(head.weight.shape, generator=g, dtype=f32) * 2 * bound
+                          - bound)
+        head.bias.copy_(torch.rand(head.bias.shape, generator=g, dtype=f32) * 2 * bound - bound)
     lr = float(hyper["lr"])
     opt = _adamw(model, lr, float(hyper["weight_decay"]))
     gen = torch.Generator().manual_seed(30_000 + seed)
@@ -336,28 +343,98 @@ def _protocol(quick: bool) -> tuple[dict, dict, PlateauRule, int, dict, list[dic
         sample_population(q["n_members"], q["grid"])
 
 
-def train_population(out: str | os.PathLike, *, quick: bool = False, progress: bool = True,
-                     log: Callable[[str], None] | None = None) -> tuple[PopulationStore, list]:
-    """Pretrain once, then fine-tune every member not yet on disk (resumable)."""
-    store = PopulationStore(out, NAME)
-    pre, training, rule, core, split_kw, hypers = _protocol(quick)
-    data = mnist_splits(**split_kw)
-    pretrained, _ = load_or_pretrain(store, data, pre, log=log)
-    ids = [f"m{i:02d}-{protocol_hash({**h, **training})[:8]}" for i, h in enumerate(hypers)]
+class VitFinetuneExperiment(FinetuneExperiment):
+    """The ViT fine-tunes (module docstring) on the fine-tuned population template."""
 
-    def train_one(hyper: dict):
+    name = NAME
+    n_iter = N_ITER
+    float64 = True
+    params_doc = "every weight (139 k)"
+
+    def prepare(self, store, quick):
+        pre, _, _, _, split_kw, _ = _protocol(quick)
+        data = mnist_splits(**split_kw)
+        pretrained, pre_meta = load_or_pretrain(store, data, pre, log=None)
+        return {"data": data, "pretrained": pretrained, "pretrained_meta": pre_meta,
+                "vit": pre["vit"], "log": None}
+
+    def hypers(self, quick):
+        return _protocol(quick)[5]
+
+    def training(self, quick):
+        return _protocol(quick)[1]
+
+    def train(self, ctx, hyper, quick):
+        _, _, rule, core, _, _ = _protocol(quick)
         t0 = time.perf_counter()
-        model, meta = train_member(pretrained, hyper, data, vit=pre["vit"], core=core,
-                                   rule=rule)
+        model, meta = train_member(ctx["pretrained"], hyper, ctx["data"], vit=ctx["vit"],
+                                   core=core, rule=rule)
         meta["wall_s"] = time.perf_counter() - t0
+        log = ctx.get("log")
         if log is not None:
             log(f"member {hyper}: converged={meta['converged']} epochs={meta['epochs_run']} "
                 f"train_acc={meta['train_acc']:.3f} test_acc={meta['test_acc']:.3f} "
                 f"wall={meta['wall_s']:.0f}s")
         return model.state_dict(), meta
 
-    store.train_missing(ids, hypers, train_one, desc=f"{NAME}: train", progress=progress)
-    return store, ids
+    # -- measurement ---------------------------------------------------------------------
+    def build(self, ctx, member, state, quick):
+        model = build_vit(ctx["vit"])
+        model.load_state_dict(state)
+        return model.eval()
+
+    def batches(self, ctx, member, quick):
+        n = QUICK_SHARP if quick else N_SHARP
+        x = ctx["data"]["xb"][:n]  # the core: in every member's training set, first
+        y = torch.tensor(member.meta["fitted_labels"][:n])
+        return [(x, y)]
+
+    def batches_doc(self, quick):
+        n = QUICK_SHARP if quick else N_SHARP
+        return (f"the first {n} core images of part B (in every member's training set), one "
+                "batch, un-augmented, the member's own (noisy) labels, plain cross-entropy")
+
+    @staticmethod
+    def loss_fn(model, batch):
+        return loss_fn(model, batch)
+
+    def settings(self, quick):
+        grid = QUICK["grid"] if quick else GRID
+        return {"n_members": len(self.hypers(quick)), "sampler_seed": SAMPLER_SEED,
+                "lr": f"log-uniform {list(LR_RANGE)}", **grid}
+
+    def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
+        res = super().finish(ctx, store, members, dropped, mhash=mhash, quick=quick,
+                             t_start=t_start)
+        res["pretraining"] = ctx["pretrained_meta"]
+        store.write_json("results.json", res)
+        return res
+
+
+EXPERIMENT = VitFinetuneExperiment()
+
+
+def train_population(out: str | os.PathLike, *, quick: bool = False, progress: bool = True,
+                     log: Callable[[str], None] | None = None) -> tuple[PopulationStore, list]:
+    """Pretrain once, then fine-tune every member not yet on disk (resumable)."""
+    store = PopulationStore(out, NAME)
+    pre, _, _, _, split_kw, _ = _protocol(quick)
+    data = mnist_splits(**split_kw)
+    pretrained, pre_meta = load_or_pretrain(store, data, pre, log=log)
+    ctx = {"data": data, "pretrained": pretrained, "pretrained_meta": pre_meta,
+           "vit": pre["vit"], "log": log}
+    store, members, _ = EXPERIMENT.train_population(out, quick=quick, progress=progress,
+                                                    ctx=ctx)
+    return store, [m.id for m in members]
+
+
+def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
+    """Train (or load) the population, measure it, write `out/vit-finetune/results.json`.
+
+    `quick`: a 2-layer ViT pretrained 3 epochs on 64 images, 3 members on 24–32 images, a
+    lenient rule, 2 sharpness iterations on 16 images.
+    """
+    return EXPERIMENT.run(out, quick=quick, progress=progress)
 
 
 if __name__ == "__main__":  # background training: python -m ... OUT [--quick]
