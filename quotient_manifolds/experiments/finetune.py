@@ -228,8 +228,21 @@ class FinetuneExperiment(PopulationExperiment):
                 "batches": self.batches_doc(quick), "params": self.params_doc}
 
     def _model(self, ctx, store, member, quick):
+        """The member's model; weights outside `params` become buffers when the measure
+        table cannot take a `params=` selection (then nothing else is perturbed either)."""
+        from .sharpness_suite import params_applied
+
         state, _ = store.load_member(member.id)
-        return self.build(ctx, member, state, quick)
+        model = self.build(ctx, member, state, quick)
+        keep = self.params(quick)
+        if keep is not None and not params_applied(keep):
+            for mod_name, mod in model.named_modules():
+                for n, p in list(mod._parameters.items()):
+                    full = f"{mod_name}.{n}" if mod_name else n
+                    if p is not None and not keep(full, p):
+                        del mod._parameters[n]
+                        mod.register_buffer(n, p.detach())
+        return model
 
     def calibration(self, ctx, store, members, mhash, quick) -> dict:
         """The calibrated radii (computed once on the first converged member, then cached)."""
@@ -252,7 +265,8 @@ class FinetuneExperiment(PopulationExperiment):
             batches = [_to64(b) for b in batches]
         cal = calibrate_rho(model, self.loss_fn, batches,
                             n_iter=self.quick_n_iter if quick else self.n_iter,
-                            params=self.params(quick), seed=self.seed)
+                            params=self.params(quick), seed=self.seed,
+                            max_evals=2 if quick else 12)
         atomic_write_text(path, json.dumps({"member": m.id, "calibration": cal}, indent=1))
         return cal
 
@@ -305,8 +319,9 @@ class FinetuneExperiment(PopulationExperiment):
         everyone = [*members, *dropped]
         settings = {"population": self.settings(quick), "training": self.training(quick),
                     "measure_protocol": self.measure_protocol(quick),
-                    "measure_protocol_hash": mhash, "params_applied":
-                    params_applied(self.params(quick)), "quick": quick,
+                    "measure_protocol_hash": mhash, "quick": quick,
+                    "params_via": "params=" if params_applied(self.params(quick))
+                    else "excluded weights turned into buffers",
                     "unavailable_measures": sorted({u for m in members
                                                     for u in m.measures.get("_unavailable", [])})}
         extra = {"convergence": {

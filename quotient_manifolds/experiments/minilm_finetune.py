@@ -101,8 +101,8 @@ GRID = {"weight_decay": [0.0, 0.01, 0.1], "epochs": [3, 5, 8], "train_size": [12
         "label_smoothing": [0.0, 0.1], "label_noise": [0.0, 0.1, 0.2]}
 LR_RANGE = (3e-5, 1e-4)
 #: the `--quick` protocol: 3 members, tiny data, 2 layers kept, a lenient rule
-QUICK = {"n_members": 3, "n_pool": 40, "n_test": 24, "core": 16, "max_len": 12,
-         "layers": 2, "grid": {"weight_decay": [0.0, 0.01], "epochs": [3],
+QUICK = {"n_members": 3, "n_pool": 40, "n_test": 24, "core": 16, "max_len": 8,
+         "layers": 1, "grid": {"weight_decay": [0.0, 0.01], "epochs": [3],
                                "train_size": [16, 24], "label_smoothing": [0.0, 0.1],
                                "label_noise": [0.0, 0.2]},
          "rule": PlateauRule(min_acc=0.0, k=2, abs_tol=10.0, rel_tol=0.0, max_epochs=4)}
@@ -389,7 +389,7 @@ def train_population(out: str | os.PathLike, *, quick: bool = False, progress: b
 def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
     """Train (or load) the population, measure it, write `out/minilm-finetune/results.json`.
 
-    `quick`: 3 members of a 2-layer MiniLM on 40 tweets cut to 12 tokens, a lenient rule,
+    `quick`: 3 members of a 1-layer MiniLM on 40 tweets cut to 8 tokens, a lenient rule,
     2 sharpness iterations on 8 tweets.
     """
     return EXPERIMENT.run(out, quick=quick, progress=progress)

@@ -339,14 +339,15 @@ def calibrate_rho(
     seed: int = 0,
     target: float = CALIBRATION_TARGET,
     start: Mapping[str, float] | None = None,
+    max_evals: int = 12,
 ) -> dict[str, dict]:
     r"""The radius of each norm family, by a fixed rule on one calibration member.
 
     For each family (`adaptive`, `inv`, `mix`) the worst-case measure of
     `CALIBRATION_MEASURES` is evaluated on the 1-2-5 grid `RHO_CANDIDATES`, walking up from
     `start[family]` while the loss increase is below `target` and down while it is above,
-    until the target is bracketed; the radius is the grid point whose increase is closest to
-    `target` in log scale. No generalisation gap is read.
+    until the target is bracketed (or `max_evals` radii were tried); the radius is the grid
+    point whose increase is closest to `target` in log scale. No generalisation gap is read.
 
     Returns
     -------
@@ -369,7 +370,7 @@ def calibrate_rho(
             return trace[k]
 
         step = 1 if inc(i) < target else -1
-        while 0 <= i + step < len(grid):
+        while 0 <= i + step < len(grid) and len(trace) < max_evals:
             j = i + step
             if (inc(j) < target) != (step == 1):  # crossed the target
                 break
