@@ -14,7 +14,8 @@ Every transformer population (`grokking`, `vit-digits`, `lora-minilm`, `minilm-f
 4. members that fail the experiment's filter (`keep`) are reported, not measured;
 5. `measure` computes the sharpness measures of the kept members, cached per member under
    the hash of the measure protocol (`measure_protocol`), so an interrupted run resumes;
-6. `finish` writes `results.json` (schema of [`report`][quotient_manifolds.experiments.report])
+6. `finish` writes `results.json` (schema of
+   [`summarize`][quotient_manifolds.experiments.report.summarize])
    and the figures.
 
 A subclass fills in the hooks; the experiment module exposes
