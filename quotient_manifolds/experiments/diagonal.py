@@ -233,7 +233,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     """Train (or load) the population, measure it, write ``out/diagonal/results.json`` + PNGs."""
     from tqdm.auto import tqdm
 
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
     q = QUICK if quick else {}
     n_members = q.get("n_members", POPULATION["n_members"])

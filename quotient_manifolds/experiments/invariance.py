@@ -86,14 +86,10 @@ def make_batch(tokenizer, n_pairs: int, start: int = 0) -> dict:
 
 
 def _measure(model, batch, name: str, s: dict) -> float:
-    import quotient_manifolds as qm
+    from .sharpness_suite import measure_once
 
-    kw = {"rho": s["rho"], "n_iter": s["n_iter"], "progress": False}
-    if name == "adaptive":
-        return float(qm.adaptive_sharpness(model, loss_fn, [batch], **kw).value)
-    metric = name.split("_")[1]
-    return float(qm.geodesic_sharpness(model, loss_fn, [batch], metric=metric,
-                                       retraction=s["retraction"], eps=s["eps"], **kw).value)
+    return measure_once(model, loss_fn, [batch], name=name, rho=s["rho"], n_iter=s["n_iter"],
+                        retraction=s["retraction"], eps=s["eps"])
 
 
 def _figure(inv: dict, path) -> None:
@@ -123,7 +119,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
 
     import quotient_manifolds as qm
 
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
     s = {**SETTINGS, **(QUICK if quick else {})}
     store = PopulationStore(out, NAME)

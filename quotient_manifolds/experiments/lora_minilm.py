@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import SymmetryFallbackWarning
+from .modules import seeded
 from .sharpness_suite import MEASURES, finish_population, measure_member
 from .store import PopulationStore, protocol_hash
 from .template import PopulationExperiment
@@ -277,8 +278,7 @@ def build_member(bert, rank: int, seed: int) -> LoraClassifier:
     for n, p in layers.named_parameters():
         p.requires_grad_("lora_" in n)
     _freeze_to_buffers(layers)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
+    with seeded(int(seed)):
         model = LoraClassifier(layers)
     return model.eval()
 

@@ -70,6 +70,7 @@ __all__ = [
     "measure_rho",
     "measure_tasks",
     "measure_member",
+    "measure_once",
     "finish_population",
     "float32_default",
 ]
@@ -214,6 +215,28 @@ def measure_member(
         if bar is not None:
             bar.update(1)
     return values
+
+
+def measure_once(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: Sequence,
+    *,
+    name: str,
+    rho: float,
+    n_iter: int,
+    retraction: str = "second_order",
+    eps: float = 0.0,
+) -> float:
+    """One worst-case value: `name` is `"adaptive"` or `"geodesic_<metric>"` (invariance check)."""
+    from ..sharpness import adaptive_sharpness, geodesic_sharpness
+
+    kw = {"rho": rho, "n_iter": n_iter, "progress": False}
+    if name == "adaptive":
+        return float(adaptive_sharpness(model, loss_fn, batches, **kw).value)
+    metric = name.split("_")[1]
+    return float(geodesic_sharpness(model, loss_fn, batches, metric=metric,
+                                    retraction=retraction, eps=eps, **kw).value)
 
 
 def finish_population(

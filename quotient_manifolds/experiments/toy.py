@@ -128,7 +128,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
 
     from ..sharpness.landscape import plot_slices, slice_1d, slice_2d
 
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
     s = {**SETTINGS, **(QUICK if quick else {})}
     store = PopulationStore(out, NAME)

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .finetune import FinetuneExperiment, PlateauRule, lr_factor, train_to_convergence
+from .modules import seeded
 from .store import PopulationStore, protocol_hash
 
 __all__ = [
@@ -203,9 +204,8 @@ def build_vit(vit: dict = VIT, seed: int = 0) -> nn.Module:
     from transformers import ViTConfig, ViTForImageClassification
 
     cfg = ViTConfig(**vit, attn_implementation="eager")
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+    with seeded(int(seed)), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.manual_seed(int(seed))
         prev = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)
         try:
