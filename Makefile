@@ -7,7 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP_QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-.PHONY: install demo test test-slow lint bench bench-smoke clean examples docs
+.PHONY: install demo test test-slow typecheck lint bench bench-smoke clean examples docs
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,13 @@ demo: install
 
 test: install
 	$(PY) -m ruff check quotient_manifolds tests benchmarks examples
+	$(MAKE) --no-print-directory typecheck
 	$(PY) -m pytest -n 2 -q
+
+# mypy on the package ([tool.mypy] in pyproject.toml); tests/test_public_typing.py checks that
+# every public function is fully annotated.
+typecheck: install
+	$(PY) -m mypy
 
 test-slow: install
 	$(PY) -m pytest -n 2 -q -m slow
@@ -37,7 +43,7 @@ bench: install
 	$(PY) benchmarks/sharpness_cost.py --iters 3 --repeats 2 --json runs/sharpness_cost.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
 examples: install
 	for f in examples/*.py; do echo "== $$f"; $(PY) $$f --small; done

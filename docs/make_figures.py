@@ -6,9 +6,9 @@
   orbits of the group ``(αu, v/α)`` (level sets of β), the vertical and horizontal directions at
   two points of one orbit, their Euclidean balls and their geodesic (horizontal) balls. Right:
   sharpness of the same function measured at every point of the orbit, in a Euclidean ball and
-  in a geodesic ball (:class:`quotient_manifolds.DiagonalQuotient`, exact geodesics).
+  in a geodesic ball (``quotient_manifolds.DiagonalQuotient``, exact geodesics).
 * ``gl_invariance.png``: a small attention classifier reparametrised by ``A = a·G̃`` per head
-  (:func:`quotient_manifolds.reparametrize`); geodesic (inv, mix) and adaptive sharpness
+  (``quotient_manifolds.reparametrize``); geodesic (inv, mix) and adaptive sharpness
   relative to ``a = 1``.
 """
 

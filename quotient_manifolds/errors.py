@@ -20,6 +20,7 @@ __all__ = [
     "BlockSpecError",
     "DistributedError",
     "PopulationInputError",
+    "MissingDependencyError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
 ]
@@ -37,7 +38,7 @@ class RankDeficientError(QuotientManifoldError, ArithmeticError):
     """A factor of a GL(h) block does not have full column rank.
 
     The quotient geometry needs invertible Gram matrices ``GᵀG`` and ``HᵀH``.
-    Pass ``eps > 0`` to use the relaxation ``GᵀG + eps·I`` (spec §5.3.1).
+    Pass ``eps > 0`` to use the [relaxation][eps-relaxation] ``GᵀG + eps·I``.
     """
 
 
@@ -106,6 +107,15 @@ class PopulationInputError(QuotientManifoldError, ValueError):
     """
 
 
+class MissingDependencyError(QuotientManifoldError, ImportError):
+    """An optional package that a feature needs is not installed.
+
+    The message names the feature, the package and the `pip` line that installs it (the
+    extras of `pyproject.toml`: `hf`, `vision`, `plots`). The command line prints it as one
+    line and exits with status 2.
+    """
+
+
 class SymmetryFallbackWarning(UserWarning):
     """Some weights lack the full GL symmetry; they use the adaptive geometry instead.
 
@@ -117,6 +127,6 @@ class SymmetryFallbackWarning(UserWarning):
 class NoBlocksWarning(UserWarning):
     """No GL block was found in a model; every weight uses the adaptive geometry.
 
-    Declare blocks with :func:`quotient_manifolds.declare_block` if the model
-    has symmetries that discovery does not know about.
+    Declare blocks with [`quotient_manifolds.declare_block`][quotient_manifolds.declare_block] if
+    the model has symmetries that discovery does not know about.
     """

@@ -29,12 +29,13 @@ def _verify(args: argparse.Namespace) -> int:
 def _reproduce(args: argparse.Namespace) -> int:
     import torch
 
+    from ..errors import MissingDependencyError
     from ..experiments.registry import ExperimentUnavailableError, combined_table, run_experiments
 
     torch.set_num_threads(1)
     try:
         results = run_experiments([args.experiment], args.out, quick=args.quick, progress=True)
-    except ExperimentUnavailableError as e:
+    except (ExperimentUnavailableError, MissingDependencyError) as e:
         print(f"quotient-manifolds reproduce: error: {e}", file=sys.stderr)
         return 2
     print(combined_table(results))
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..experiments.registry import EXPERIMENTS
 
     reproduce = sub.add_parser(
-        "reproduce", help="run a paper experiment or population (issue 5) and print its tau table"
+        "reproduce", help="run a paper experiment or population and print its tau table"
     )
     reproduce.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
     reproduce.add_argument("--out", required=True, help="output folder (results and caches)")

@@ -40,7 +40,7 @@ def geometry_facts(n: int = 4, m: int = 3, h: int = 2, seed: int = 0) -> list[di
         xa, ua, va = M.act(x, A), M.act(u, A), M.act(v, A)
         omega = torch.randn(h, h, generator=gen, dtype=torch.float64)
         w = M.vertical(x, omega)
-        errs = {"first_order": [], "second_order": [], "exact": []}
+        errs: dict[str, list[float]] = {"first_order": [], "second_order": [], "exact": []}
         for s in steps:
             ref = reference_geodesic(M, x, s * u)
             for kind in errs:

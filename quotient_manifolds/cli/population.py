@@ -1,24 +1,26 @@
-"""The ``sharpness`` and ``correlate`` subcommands of ``quotient-manifolds`` (docs/cli.md).
+"""The `sharpness` and `correlate` subcommands of `quotient-manifolds` (docs/cli.md).
 
-The work is done by :mod:`quotient_manifolds.experiments.population`; this module only parses
-arguments, sets the thread count and turns errors into exit codes.
+The work is done by [`population`][quotient_manifolds.experiments.population]; this module
+only parses arguments, sets the thread count and turns errors into exit codes.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
 import torch
 
-from ..errors import PopulationInputError, QuotientManifoldError
+from ..errors import MissingDependencyError, PopulationInputError, QuotientManifoldError
 from ..experiments.population import (
     MEASURES,
     correlate,
     evaluate_population,
     format_table,
+    measure_names,
     read_jsonl,
 )
 
@@ -28,12 +30,23 @@ __all__ = ["add_subcommands"]
 # -- command line ---------------------------------------------------------------------------
 def _measures_arg(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in MEASURES]
+    known = measure_names()
+    bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown measure(s) {', '.join(bad) or '(none)'}; choose from {', '.join(MEASURES)}"
+            f"unknown measure(s) {', '.join(bad) or '(none)'}; choose from {', '.join(known)}"
         )
     return names
+
+
+def _count(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (e.g. 8)")
+    return v
 
 
 def _positive(text: str) -> float:
@@ -55,13 +68,17 @@ def _fail(cmd: str, e: BaseException) -> int:
 def _run_sharpness(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
+    # checkpoints and batches are local files: never reach for the Hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
         info = evaluate_population(
-            args.checkpoints, model=args.model, data=args.data, loss=args.loss, out=args.out,
-            measures=args.measures, rho=args.rho, n_iter=args.n_iter, seed=args.seed,
-            dtype=args.dtype, device=args.device, progress=not args.no_progress,
+            args.checkpoints, model=args.model, data=args.data, batches=args.batches,
+            batch_size=args.batch_size, loss=args.loss, out=args.out, measures=args.measures,
+            rho=args.rho, n_iter=args.n_iter, seed=args.seed, dtype=args.dtype,
+            device=args.device, progress=not args.no_progress,
         )
-    except PopulationInputError as e:
+    except (PopulationInputError, MissingDependencyError) as e:
         return _fail("sharpness", e)
     except QuotientManifoldError as e:
         print(f"quotient-manifolds sharpness: error: {' '.join(str(e).split())} "
@@ -72,7 +89,8 @@ def _run_sharpness(args: argparse.Namespace) -> int:
         print(f"\nquotient-manifolds sharpness: interrupted; {n} finished result(s) are in "
               f"{args.out}; run the same command again to resume", file=sys.stderr)
         return 130
-    print(f"{info['done']} new result(s), {info['skipped']} skipped: {info['out']}")
+    who = f"rank {info['rank']}/{info['world_size']}: " if info["world_size"] > 1 else ""
+    print(f"{who}{info['done']} new result(s), {info['skipped']} skipped: {info['out']}")
     return 0
 
 
@@ -80,7 +98,7 @@ def _run_correlate(args: argparse.Namespace) -> int:
     try:
         blob = correlate(args.results, args.gaps, args.out, n_boot=args.n_boot,
                          plots=not args.no_plots)
-    except PopulationInputError as e:
+    except (PopulationInputError, MissingDependencyError) as e:
         return _fail("correlate", e)
     print(format_table(blob))
     for f in blob["figures"]:
@@ -94,27 +112,39 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     """Add ``sharpness`` and ``correlate`` to the ``quotient-manifolds`` parser."""
     s = sub.add_parser(
         "sharpness", help="sharpness of a population of checkpoints, one JSON line each",
-        description="Evaluate sharpness measures on checkpoint files; append one JSON line per "
-        "(checkpoint, measure) to --out. Re-running the same command resumes.",
+        description="Evaluate sharpness measures on checkpoints: Hugging Face folders "
+        "(config.json + model.safetensors), or state_dict files with --model. Append one JSON "
+        "line per (checkpoint, measure) to --out; re-running the same command resumes. Under "
+        "torchrun the ranks share the work.",
     )
     s.add_argument("checkpoints", nargs="+", metavar="CKPT",
-                   help=".safetensors or torch.save(state_dict) files")
-    s.add_argument("--model", required=True, metavar="MODULE:FUNCTION",
-                   help="function returning the nn.Module the checkpoints belong to")
-    s.add_argument("--data", required=True, metavar="MODULE:FUNCTION",
-                   help="function returning an iterable of batches (called per measurement)")
+                   help="Hugging Face checkpoint folders (save_pretrained), or, with --model, "
+                   ".safetensors / torch.save(state_dict) files")
+    s.add_argument("--model", metavar="MODULE:FUNCTION",
+                   help="function returning the nn.Module that state_dict checkpoints fit "
+                   "(omit for Hugging Face folders)")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--batches", metavar="FILE",
+                     help="safetensors file of input_ids/attention_mask/labels or "
+                     "pixel_values/labels (one row per example), cut into --batch-size rows")
+    src.add_argument("--data", metavar="MODULE:FUNCTION",
+                     help="function returning an iterable of batches (called per measurement)")
+    s.add_argument("--batch-size", type=_count, metavar="N", help="rows per batch of --batches")
     s.add_argument("--loss", metavar="MODULE:FUNCTION",
-                   help="loss_fn(model, batch) -> scalar; default model(**batch).loss for dict "
-                   "batches with labels, cross_entropy(model(x), y) for (x, y) batches")
+                   help="loss_fn(model, batch) -> scalar; default: the model's .loss (or "
+                   "cross-entropy of .logits) for dict batches with labels, "
+                   "cross_entropy(model(x), y) for (x, y) batches")
     s.add_argument("--measures", type=_measures_arg, default=list(MEASURES),
-                   help=f"comma-separated subset of {','.join(MEASURES)} (default: all)")
+                   help=f"comma-separated, from {','.join(measure_names())} (default: "
+                   f"{','.join(MEASURES)})")
     s.add_argument("--rho", type=_positive, default=0.1, help="radius of the ball (default 0.1)")
-    s.add_argument("--n-iter", type=int, default=20, help="APGD iterations (default 20)")
+    s.add_argument("--n-iter", type=_count, default=20, help="APGD iterations (default 20)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default="results.jsonl", help="results file (default results.jsonl)")
     s.add_argument("--dtype", choices=["float32", "float64"],
-                   help="convert the model and floating batch tensors (default: as built)")
-    s.add_argument("--device", help="e.g. cuda; default: where the model factory puts it")
+                   help="convert the model and floating batch tensors (default: as stored)")
+    s.add_argument("--device", help="e.g. cuda (under torchrun: cuda:LOCAL_RANK); default: "
+                   "the CPU, or where the model factory puts it")
     s.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_run_sharpness)
@@ -125,7 +155,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
         "file against the gaps of a CSV file with columns checkpoint,gap.",
     )
     c.add_argument("results", help="results file of 'quotient-manifolds sharpness'")
-    c.add_argument("gaps", help="CSV with a header 'checkpoint,gap'; checkpoint = path or stem")
+    c.add_argument("gaps", help="CSV with a header 'checkpoint,gap'; checkpoint = path, file "
+                   "stem or folder name")
     c.add_argument("--out", help="folder for correlation.json and the PNGs (default: the "
                    "results file's folder)")
     c.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000)")

@@ -38,10 +38,12 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from .._deps import pyplot
 from ..sharpness.diagonal import diagonal_loss, diagonal_sharpness
 from .report import scatter_figure, summarize
 from .store import PopulationStore, protocol_hash
@@ -50,8 +52,10 @@ __all__ = ["DATA", "MEASURES", "POPULATION", "PRIMARY_RHO", "RHO_GRID", "make_da
            "sample_population", "train_population", "run"]
 
 NAME = "diagonal"
-DATA = {"n": 80, "d": 200, "r": 20, "n_test": 1000, "seed": 0}
-POPULATION = {
+REQUIRES = ("safetensors", "matplotlib")
+"""Optional packages this experiment needs (checked before it runs)."""
+DATA: dict[str, Any] = {"n": 80, "d": 200, "r": 20, "n_test": 1000, "seed": 0}
+POPULATION: dict[str, Any] = {
     "n_members": 50, "seed": 1, "alpha": [0.01, 1.0], "p_sgd": 0.5,
     "lr_gd": [0.03, 2.0], "lr_sgd": [0.01, 0.3], "init": "u0=alpha, v0=0",
     "tol": 1e-5, "max_steps": 100_000, "check_every": 100, "loss": "||X beta - y||^2/(2n)",
@@ -59,8 +63,8 @@ POPULATION = {
 }
 RHO_GRID = [0.01, 0.03, 0.1, 0.3, 1.0]
 PRIMARY_RHO = 0.1
-WORST = {"kind": "worst", "n_iter": 100, "n_restarts": 3}
-AVERAGE = {"kind": "average", "n_samples": 100}
+WORST: dict[str, Any] = {"kind": "worst", "n_iter": 100, "n_restarts": 3}
+AVERAGE: dict[str, Any] = {"kind": "average", "n_samples": 100}
 #: name -> keyword arguments of diagonal_sharpness (besides rho).
 #: Radius conventions of mix (App. E): "metric" is ‖ξ‖_mix = √2‖β⊙b‖ ≤ ρ, App. E's mix
 #: convention ‖2 D_β b‖ up to √2 in ρ; "coefficient" is ‖b‖ ≤ ρ, App. E's *inv* convention
@@ -97,11 +101,13 @@ MEASURES: dict[str, dict] = {
     "geodesic_mix_coefficient_avg": {"metric": "mix", "retraction": "exact",
                                      "ball": "coefficient", **AVERAGE},
 }
-QUICK = {"n_members": 8, "max_steps": 4_000, "rho_grid": [0.03, 0.1], "n_iter": 10,
+QUICK: dict[str, Any] = {"n_members": 8, "max_steps": 4_000, "rho_grid": [0.03, 0.1], "n_iter": 10,
          "n_restarts": 1, "n_samples": 10, "n_boot": 200}
 
 
-def make_data(n: int = 80, d: int = 200, r: int = 20, n_test: int = 1000, seed: int = 0):
+def make_data(
+    n: int = 80, d: int = 200, r: int = 20, n_test: int = 1000, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
     """``X, y, X_test, y_test, θ*`` of populations.md §7.2 as float64 tensors."""
     rs = np.random.RandomState(seed)
     X = rs.multivariate_normal(np.zeros(d), np.eye(d), n)
@@ -205,10 +211,7 @@ def _landscape_figure(u, v, X, y, path: Path, n1: int = 81, n2: int = 41) -> dic
 
 
 def _convention_figure(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the diagonal experiment")
 
     fig, ax = plt.subplots(figsize=(5.2, 3.4))
     for name in ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_unconstrained",

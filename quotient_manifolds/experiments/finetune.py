@@ -31,6 +31,7 @@ and would make the extension epochs of a slow member crawl.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -292,7 +293,7 @@ class FinetuneExperiment(PopulationExperiment):
                 model, self.loss_fn, self.batches(ctx, m, quick), radii=radii,
                 n_iter=self.quick_n_iter if quick else self.n_iter, seed=self.seed,
                 cached=store.load_measures(m.id, mhash),
-                save=lambda v, mid=m.id: store.save_measures(mid, mhash, v),
+                save=functools.partial(store.save_measures, m.id, mhash),
                 params=self.params(quick), float64=self.float64, bar=bar)
         bar.close()
 

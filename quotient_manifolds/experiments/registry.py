@@ -1,16 +1,16 @@
-r"""The experiments of issue 5 by command-line name, and a runner for several of them.
+r"""The reproductions of the paper by command-line name, and a runner for several of them.
 
 Every experiment is a module ``quotient_manifolds.experiments.<module>`` with
 
-.. code-block:: python
+```python
+run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict
+```
 
-    run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict
-
-which writes ``out/<name>/results.json`` (:func:`~quotient_manifolds.experiments.report.summarize`)
-and its PNG figures, caches trained members in a
-:class:`~quotient_manifolds.experiments.store.PopulationStore`, prints nothing but tqdm
-progress (stderr), and returns the results dict.  Modules are imported lazily, only when
-their experiment runs, so a missing or broken experiment never breaks the others.
+which writes ``out/<name>/results.json``
+([`summarize`][quotient_manifolds.experiments.report.summarize]) and its PNG figures, caches trained
+members in a [`PopulationStore`][quotient_manifolds.experiments.store.PopulationStore], prints
+nothing but tqdm progress (stderr), and returns the results dict.  Modules are imported lazily, only
+when their experiment runs, so a missing or broken experiment never breaks the others.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from .._deps import install_hint, missing
 from ..errors import QuotientManifoldError
 from .report import tau_table
 
@@ -49,14 +50,15 @@ class ExperimentUnavailableError(QuotientManifoldError, ImportError):
 
 
 def load(name: str) -> Callable[..., dict]:
-    """The ``run`` function of experiment ``name`` (a key of :data:`EXPERIMENTS`).
+    """The ``run`` function of experiment ``name`` (a key of `EXPERIMENTS`).
 
     Raises
     ------
     ValueError
         ``name`` is not a known experiment.
     ExperimentUnavailableError
-        Its module is not installed in this checkout, or has no ``run``.
+        Its module is not installed in this checkout, has no ``run``, or an optional package
+        that it lists in ``REQUIRES`` is not installed (the message says what to install).
     """
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
@@ -73,6 +75,13 @@ def load(name: str) -> Callable[..., dict]:
             f"experiment {name!r} is not available in this checkout: module {modname} is "
             "missing. Run another experiment, or update the checkout."
         ) from e
+    absent = missing(getattr(mod, "REQUIRES", ()))
+    if absent:
+        raise ExperimentUnavailableError(
+            f"experiment {name!r} needs {', '.join(absent)}, which "
+            f"{'is' if len(absent) == 1 else 'are'} not installed; "
+            + "; ".join(dict.fromkeys(install_hint(n) for n in absent))
+        )
     run = getattr(mod, "run", None)
     if not callable(run):
         raise ExperimentUnavailableError(

@@ -1,12 +1,14 @@
 r"""``results.json`` and the τ table / scatter figures shared by every experiment.
 
-Schema (issue 5)::
+Schema:
 
-    {"experiment": str, "n_members": int, "gap": str,
-     "measures":  {"adaptive": {"tau", "ci95", "p_value", "rho", "n", "by_rho": {...}}, ...},
-     "baselines": {"<hyperparameter>": {"tau", "ci95", "p_value"}},
-     "members":   [{"id", "gap", "hyper": {...}, "measures": {...}}, ...],
-     "settings":  {...}}
+```text
+{"experiment": str, "n_members": int, "gap": str,
+ "measures":  {"adaptive": {"tau", "ci95", "p_value", "rho", "n", "by_rho": {...}}, ...},
+ "baselines": {"<hyperparameter>": {"tau", "ci95", "p_value"}},
+ "members":   [{"id", "gap", "hyper": {...}, "measures": {...}}, ...],
+ "settings":  {...}}
+```
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .._deps import pyplot
 from .stats import kendall_tau
 
 __all__ = ["summarize", "tau_table", "scatter_figure", "tau_rho_figure"]
@@ -104,10 +107,7 @@ def scatter_figure(
     results: Mapping, path: str | Path, measures: Sequence[str] | None = None
 ) -> Path:
     """Scatter of each measure (at its headline ρ) against the gap, one panel each (Figs. 3–5)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the scatter figures of the experiments")
 
     names = list(measures or results["measures"])
     gaps = [m["gap"] for m in results["members"]]

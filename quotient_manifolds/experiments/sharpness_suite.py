@@ -48,8 +48,9 @@ import contextlib
 import copy
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -100,7 +101,7 @@ MAIN_MEASURES = ("adaptive", "geodesic_inv", "geodesic_mix")
 
 
 @contextlib.contextmanager
-def float32_default():
+def float32_default() -> Iterator[None]:
     """Build members in float32 whatever the caller's default dtype (reproducible inits)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
@@ -153,7 +154,7 @@ def measure_member(
     grid: Sequence[float] = (1.0,),
     names: Iterable[str] = tuple(MEASURES),
     float64: bool = True,
-    bar=None,
+    bar: Any = None,
 ) -> dict[str, dict[str, float]]:
     r"""Every measure of one member, reusing ``cached`` values and saving after each one.
 

@@ -1,7 +1,7 @@
 r"""Rank correlation with uncertainty: Kendall τ, bootstrap CI and p-value.
 
 The paper's claim is a table of Kendall τ between a sharpness measure and the
-generalisation gap (spec §12; Jiang et al. 2020). τ is ``scipy.stats.kendalltau``
+generalisation gap (paper §5, Table 1; Jiang et al. 2020). τ is ``scipy.stats.kendalltau``
 (τ-b, ties handled); the p-value is its two-sided test of τ = 0; the 95 % interval is
 the percentile bootstrap over members (pairs resampled with replacement).
 """
@@ -71,8 +71,8 @@ def kendall_tau(
 def _bootstrap_taus(xa: np.ndarray, ya: np.ndarray, draws: list[np.ndarray]) -> list[float]:
     r"""τ-b of every resample ``(xa[i], ya[i])``, vectorised; equal to ``kendalltau``'s.
 
-    With pair signs ``S^x_{ab} = sign(x_a − x_b)``, τ-b is
-    ``Σ_{a<b} S^x S^y / √((n₀ − n_x)(n₀ − n_y))``, ``n₀ = n(n−1)/2`` and ``n_x`` the
+    With pair signs $S^x_{ab} = \operatorname{sign}(x_a - x_b)$, τ-b is
+    $Σ_{a<b} S^x S^y / √((n_{0} - n_x)(n_{0} - n_y))$, ``n₀ = n(n−1)/2`` and ``n_x`` the
     pairs tied in x (repeated members of a resample are ties).  NaN (dropped) when a
     side is constant.  ~100× faster than calling ``scipy.stats.kendalltau`` per resample.
     """

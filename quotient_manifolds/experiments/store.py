@@ -1,14 +1,16 @@
 r"""On-disk cache of a trained population and its measures, safe to interrupt.
 
-Layout under ``DIR/<experiment>/``::
+Layout under ``DIR/<experiment>/``:
 
-    members/<id>.safetensors   trained weights
-    members/<id>.json          hyperparameters, train/test metrics, gap
-    measures/<id>.json         sharpness values of the member, keyed by the protocol hash
-    results.json               the summary (:func:`quotient_manifolds.experiments.report`)
+```text
+members/<id>.safetensors   trained weights
+members/<id>.json          hyperparameters, train/test metrics, gap
+measures/<id>.json         sharpness values of the member, keyed by the protocol hash
+results.json               the summary (quotient_manifolds.experiments.report)
+```
 
 Every file is written to a temporary name in the same folder and moved into place with
-:func:`os.replace`, so a crash or Ctrl-C never leaves a half-written file, and a re-run
+``os.replace``, so a crash or Ctrl-C never leaves a half-written file, and a re-run
 skips every member (and every measure) that is already on disk.
 """
 
@@ -23,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
+
+from .._deps import require
 
 __all__ = ["PopulationStore", "atomic_write_text", "protocol_hash"]
 
@@ -84,7 +88,7 @@ class PopulationStore:
         Measures cached for an earlier member of the same id are removed: they belong to
         other weights.
         """
-        from safetensors.torch import save_file
+        save_file = require("safetensors.torch", "caching trained members").save_file
 
         (self.measures_dir / f"{member_id}.json").unlink(missing_ok=True)
         target = self.members_dir / f"{member_id}.safetensors"
@@ -120,7 +124,7 @@ class PopulationStore:
 
     def load_member(self, member_id: str) -> tuple[dict[str, torch.Tensor], dict]:
         """The weights and metadata of ``member_id``."""
-        from safetensors.torch import load_file
+        load_file = require("safetensors.torch", "reading cached members").load_file
 
         meta = json.loads((self.members_dir / f"{member_id}.json").read_text())
         return load_file(str(self.members_dir / f"{member_id}.safetensors")), meta

@@ -1,4 +1,4 @@
-r"""The scalar toy of Fig. 1 (spec §3.4a, §5.4, §6.4.2, §10.3).
+r"""The scalar toy of Fig. 1 (App. D: Eq. 18 and the closed forms of Eqs. 19–22).
 
 Model ``x ↦ θ₂θ₁x`` (written ``G H x``, App. D) on one data point ``(x, y) = (1, 1)`` with
 the square loss ``L = (GHx − y)²``.  The symmetry ``(G, H) ↦ (G/α, αH)`` moves a point
@@ -6,15 +6,15 @@ along its orbit, the hyperbola ``GH = c``; since ``L`` depends on ``GH`` only, t
 level sets *are* orbits.
 
 Measured along the orbit ``GH = c = 0.5`` (``(G, H) = (√c/α, α√c)``,
-``α ∈ [10^{-1.5}, 10^{1.5}]``):
+$α \in [10^{-1.5}, 10^{1.5}]$):
 
 * the Euclidean gradient norm ``2|r x|√(G² + H²)`` (``r = GHx − y``): not invariant;
 * the Riemannian gradient norm of the inv metric (Eq. 18), from
-  :class:`~quotient_manifolds.manifolds.DiagonalQuotient` with ``d = 1``:
+  [`DiagonalQuotient`][quotient_manifolds.manifolds.DiagonalQuotient] with ``d = 1``:
   ``‖grad L‖ = 2√2 |r x| |GH|``, constant on the orbit;
 * worst-case sharpness at ρ = 0.1: Euclidean (``‖δ‖ ≤ ρ``, dense polar grid), adaptive
   (Eq. 1) and exact geodesic inv (Eq. 4), the last checked against the closed form of
-  Eq. 19/20: ``max_{|b| ≤ ρ/√2} y₀²(e^{4b} − 1) − 2yy₀(e^{2b} − 1)``.
+  Eq. 19/20: $\max_{|b| \le ρ/√2} y_{0}^{2}(e^{4b} - 1) - 2yy_{0}(e^{2b} - 1)$.
 
 There is no population, hence no τ: ``measures`` and ``baselines`` are empty and the
 findings are under ``"toy"`` in ``results.json``.
@@ -25,10 +25,12 @@ from __future__ import annotations
 import math
 import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
+from .._deps import pyplot
 from ..manifolds import DiagonalQuotient
 from ..sharpness.diagonal import diagonal_sharpness
 from .report import summarize
@@ -37,9 +39,13 @@ from .store import PopulationStore
 __all__ = ["SETTINGS", "euclidean_sharpness", "gradient_norms", "run"]
 
 NAME = "toy"
-SETTINGS = {"x": 1.0, "y": 1.0, "orbit_c": 0.5, "alpha_range": [10 ** -1.5, 10 ** 1.5],
-            "n_alpha": 61, "rho": 0.1, "loss": "(G H x - y)^2"}
-QUICK = {"n_alpha": 9}
+REQUIRES = ("matplotlib",)
+"""Optional packages this experiment needs (checked before it runs)."""
+SETTINGS: dict[str, Any] = {
+    "x": 1.0, "y": 1.0, "orbit_c": 0.5, "alpha_range": [10 ** -1.5, 10 ** 1.5],
+    "n_alpha": 61, "rho": 0.1, "loss": "(G H x - y)^2",
+}
+QUICK: dict[str, Any] = {"n_alpha": 9}
 
 
 def _loss(G, H, x, y):
@@ -59,7 +65,7 @@ def gradient_norms(G: torch.Tensor, H: torch.Tensor, x: float, y: float) -> dict
 
 def euclidean_sharpness(G: torch.Tensor, H: torch.Tensor, x: float, y: float, rho: float,
                         n_angle: int = 2048, n_radius: int = 64) -> torch.Tensor:
-    """``max_{‖δ‖ ≤ ρ} L(θ + δ) − L(θ)`` by a dense polar grid (2-D, so exact to the grid)."""
+    r"""$\max_{\|δ\| \le ρ} L(θ + δ) - L(θ)$ by a dense polar grid (2-D, so exact to the grid)."""
     ang = torch.linspace(0, 2 * math.pi, n_angle, dtype=torch.float64)
     rad = torch.linspace(0, rho, n_radius, dtype=torch.float64)
     dG = (rad[:, None] * torch.cos(ang)[None]).reshape(-1)
@@ -79,10 +85,7 @@ def closed_form_geodesic(G, H, x, y, rho):
 
 
 def _figure(res: dict, G0: float, H0: float, c: float, x: float, y: float, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the figures of the toy experiment")
 
     t = res["toy"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))

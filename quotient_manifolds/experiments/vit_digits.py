@@ -29,6 +29,7 @@ at the radii :data:`RHO` (fixed before any τ was computed).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deps import require
 from .modules import Attention, seeded
 from .sharpness_suite import (
     MEASURES,
@@ -65,6 +67,8 @@ __all__ = [
 ]
 
 NAME = "vit-digits"
+REQUIRES = ("safetensors", "matplotlib", "sklearn")
+"""Optional packages this experiment needs (checked before it runs)."""
 #: radii of the three norms (fixed before any τ was computed; see docs/results/vit-digits.md)
 RHO = {"adaptive": 0.2, "inv": 0.05, "mix": 0.02}
 #: multipliers of ρ for the three main measures (robustness of τ to ρ; headline at 1)
@@ -118,7 +122,8 @@ class TinyViT(nn.Module):
 
 def digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(x_pool, y_pool, x_test, y_test)``: 1000 / 797 images of shape 8×8 in [0, 1]."""
-    from sklearn.datasets import load_digits
+    load_digits = require("sklearn.datasets", "the digits data of the vit-digits experiment"
+                          ).load_digits
 
     d = load_digits()
     x = torch.tensor(d.images / 16.0, dtype=torch.float32)
@@ -271,7 +276,7 @@ class VitDigitsExperiment(PopulationExperiment):
             m.measures = measure_member(
                 model, _loss, sharpness_batches(m.hyper, quick=quick), rho=RHO, grid=grid,
                 n_iter=prot["n_iter"], seed=0, cached=store.load_measures(m.id, mhash),
-                save=lambda v, mid=m.id: store.save_measures(mid, mhash, v), bar=bar)
+                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
         bar.close()
 
     def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):

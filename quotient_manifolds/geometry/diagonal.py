@@ -2,8 +2,8 @@ r"""Pure tensor kernels for diagonal networks ``β = u ⊙ v`` with symmetry GL(
 
 Points are pairs ``(u, v)`` of equal shape with nonzero entries; tangent
 vectors are pairs ``(ξ_u, ξ_v)``.  All operations are elementwise, so every
-leading dimension is a batch dimension.  Formulas: spec §5.2 (metrics,
-horizontal space, gradients) and §6.4.1 (geodesics).
+leading dimension is a batch dimension.  Formulas: §5.1 of the paper (metrics
+Eq. 6/7, geodesics Eq. 24) and [Derivations][derivations-diagonal].
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def christoffel(
     yv: torch.Tensor,
     metric: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Symmetric bilinear Christoffel form ``Γ(ξ, η)`` (spec §6.4.1).
+    r"""Symmetric bilinear Christoffel form ``Γ(ξ, η)``.
 
     inv: ``Γ_u = −ξ_u η_u / u``, ``Γ_v = −ξ_v η_v / v``.
 
@@ -105,16 +105,17 @@ def geodesic(
     r"""Closed-form geodesic ``γ(t)`` from ``(u, v)`` with velocity ``(ξ_u, ξ_v)``.
 
     inv: the metric decouples into ``du²/u²`` per coordinate, so
-    ``γ(t) = (u e^{tξ_u/u}, v e^{tξ_v/v})``; for horizontal ``ξ = (bu, bv)``
-    this is Eq. 24, ``(u e^{bt}, v e^{bt})``.
+    $γ(t) = (u e^{tξ_u/u}, v e^{tξ_v/v})$; for horizontal ``ξ = (bu, bv)``
+    this is Eq. 24, $(u e^{bt}, v e^{bt})$.
 
     mix: with ``β = |uv|`` and ``σ = log|u/v|`` the metric reads
     ``½(dβ² + β² dσ²)``, a flat plane in polar coordinates, so geodesics are
     straight lines ``z(t) = β₀ + t(β̇ + iβ₀σ̇)`` in the frame rotated by ``σ₀``.
-    Then ``|u(t)| = |u| √(|z|/β₀) e^{Δσ/2}`` and
-    ``|v(t)| = |v| √(|z|/β₀) e^{−Δσ/2}`` with ``Δσ = arg z``.  For horizontal
+    Then $|u(t)| = |u| √(|z|/β_{0}) e^{Δσ/2}$ and
+    $|v(t)| = |v| √(|z|/β_{0}) e^{-Δσ/2}$ with ``Δσ = arg z``.  For horizontal
     ``ξ`` this is ``(u√(1+2bt), v√(1+2bt))``.  The line must not reach
-    ``β = 0``, i.e. ``1 + 2bt > 0``; otherwise :class:`GeodesicDomainError`.
+    ``β = 0``, i.e. ``1 + 2bt > 0``; otherwise
+    [`GeodesicDomainError`][quotient_manifolds.errors.GeodesicDomainError].
     """
     if metric == "inv":
         return u * torch.exp(t * xu / u), v * torch.exp(t * xv / v)

@@ -1,12 +1,12 @@
 r"""Pure tensor kernels for the GL(h) quotient of factor pairs ``(G, H)``.
 
-A block is a pair ``G ∈ R^{n×h}``, ``H ∈ R^{m×h}`` that a network uses only
+A block is a pair $G \in R^{n\times h}$, $H \in R^{m\times h}$ that a network uses only
 through ``G Hᵀ``.  The group GL(h) acts by ``(G A⁻¹, H Aᵀ)``.  Every function
 here takes the two factors (and tangent components) separately, batches over
 all leading dimensions and never loops over blocks.  The thin manifold class
-in :mod:`quotient_manifolds.manifolds.gl_quotient` packs and unpacks them.
+in `manifolds.gl_quotient` packs and unpacks them.
 
-Notation (spec §1.3): ``P = GᵀG + εI`` and ``Q = HᵀH + εI`` are the (relaxed)
+Notation: ``P = GᵀG + εI`` and ``Q = HᵀH + εI`` are the ([relaxed][eps-relaxation])
 Gram matrices.  Gram matrices, their factorisations and all ``h×h`` solves run
 in float64 whatever the input dtype; the large ``n×h`` products run in float32
 (float64 for float64 inputs), and results come back in the dtype of the tangent
@@ -56,7 +56,8 @@ class Grams(NamedTuple):
 
 
 class SylvesterBasis(NamedTuple):
-    r"""Diagonalising bases of the projection equation for ``Ω = Λᵀ`` (spec §5.3.5).
+    r"""Diagonalising bases of the projection equation for ``Ω = Λᵀ``
+    ([derivation][sylvester-equation]).
 
     The equation becomes elementwise in ``Ω̃ = S⁻¹ Ω T``:
     ``Ω = S ((S⁻¹ C T) ⊘ denom) T⁻¹``.
@@ -70,7 +71,8 @@ class SylvesterBasis(NamedTuple):
 
 
 def check_finite(*tensors: torch.Tensor, what: str = "input") -> None:
-    """Raise :class:`NonFiniteError` if any tensor holds NaN or Inf."""
+    """Raise [`NonFiniteError`][quotient_manifolds.errors.NonFiniteError] if any tensor holds NaN
+    or Inf."""
     for t in tensors:
         if t is None or t.numel() == 0:
             continue
@@ -107,8 +109,8 @@ def _cholesky_checked(M: torch.Tensor, factor: str, eps: float) -> torch.Tensor:
 def grams(G: torch.Tensor, H: torch.Tensor, eps: float = 0.0) -> Grams:
     r"""Gram matrices ``P = GᵀG + εI``, ``Q = HᵀH + εI`` and their inverses.
 
-    Raises :class:`RankDeficientError` when a factor has no full column rank
-    (Assumption 5.1) and the relaxation does not fix it.
+    Raises [`RankDeficientError`][quotient_manifolds.errors.RankDeficientError] when a factor has no
+    full column rank (Assumption 5.1) and the relaxation does not fix it.
     """
     G = G.to(GRAM_DTYPE)
     H = H.to(GRAM_DTYPE)
@@ -137,8 +139,8 @@ def sylvester_basis(gr: Grams, metric: str) -> SylvesterBasis:
     * inv: ``(P Q̂) Ω + Ω (P̂ Q) = B``, ``B = P Hᵀ ξ_H − ξ_Gᵀ G Q``.  At ``ε = 0``
       this is the corrected Sylvester equation ``AΩ + ΩA = B``, ``A = PQ``.
       ``PQ̂ = S D₁ S⁻¹`` with ``S = L_P U₁`` from ``L_Pᵀ Q̂ L_P = U₁ D₁ U₁ᵀ``
-      (the eigendecomposition solver of spec §5.3.5, with the Cholesky factor
-      in place of ``P^{1/2}``), and ``P̂Q = T D₂ T⁻¹`` with ``T = L_Q⁻ᵀ U₂``
+      (the [eigendecomposition solver][sylvester-equation], with the Cholesky factor
+      in place of $P^{1/2}$), and ``P̂Q = T D₂ T⁻¹`` with ``T = L_Q⁻ᵀ U₂``
       from ``L_Qᵀ P̂ L_Q = U₂ D₂ U₂ᵀ`` (at ``ε = 0``, ``T = S``).
     * mix: ``Q Ω P̂ + Q̂ Ω P = C``, ``C = Hᵀ ξ_H P − Q ξ_Gᵀ G``.  ``Q, Q̂`` and
       ``P, P̂`` commute, so the eigenvectors of ``Q`` and ``P`` diagonalise it.
@@ -188,12 +190,13 @@ def inner(
     gr: Grams,
     metric: str,
 ) -> torch.Tensor:
-    r"""The metric (spec §5.3.3, Eq. 9/10).
+    r"""The metric (Eq. 9/10).
 
-    .. math::
-
-        ⟨η, ζ⟩^{inv} = Tr(P⁻¹ η_Gᵀ ζ_G + Q⁻¹ η_Hᵀ ζ_H), \qquad
-        ⟨η, ζ⟩^{mix} = Tr(Q η_Gᵀ ζ_G + P η_Hᵀ ζ_H).
+    $$
+    \langle η, ζ\rangle ^{\text{inv}} = \operatorname{Tr}(P^{-1} η_G^{\top} ζ_G + Q^{-1} η_H^{\top}
+    ζ_H), \qquad
+    \langle η, ζ\rangle ^{\text{mix}} = \operatorname{Tr}(Q η_G^{\top} ζ_G + P η_H^{\top} ζ_H).
+    $$
     """
     out_dt = uG.dtype
     dt, (uG, uH, vG, vH) = _work(uG, uH, vG, vH)
@@ -220,7 +223,8 @@ def horizontal_residual(
     gr: Grams,
     metric: str,
 ) -> torch.Tensor:
-    r"""The ``h×h`` matrix (float64) that vanishes exactly on horizontal vectors (spec §5.3.4).
+    r"""The ``h×h`` matrix (float64) that vanishes exactly on horizontal vectors
+    ([derivation][inv-horizontal]).
 
     inv: ``P Hᵀ ξ_H − ξ_Gᵀ G Q``;  mix: ``Gᵀ ξ_G Q − P ξ_Hᵀ H``.
     """
@@ -250,15 +254,16 @@ def horizontal_lambda(
     metric: str,
     basis: SylvesterBasis | None = None,
 ) -> torch.Tensor:
-    r"""``Λ`` (``h×h``, float64) such that ``(ξ_G + GΛ, ξ_H − HΛᵀ)`` is horizontal (§5.3.5).
+    r"""``Λ`` (``h×h``, float64) such that ``(ξ_G + GΛ, ξ_H − HΛᵀ)`` is horizontal
+    ([derivation][horizontal-projection]).
 
     mix (closed form): ``Λ = ½(ξ_Hᵀ H Q⁻¹ − P⁻¹ Gᵀ ξ_G)``.
 
     inv (corrected Sylvester equation): ``AΩ + ΩA = B`` with ``A = PQ``,
     ``B = P Hᵀ ξ_H − ξ_Gᵀ G Q`` and ``Λ = Ωᵀ``; solved in the eigenbasis of
     ``A`` as ``Ω̃_ij = B̃_ij / (d_i + d_j)``.  With ``ε > 0`` (and for mix with
-    ``ε > 0``) the equation of :func:`sylvester_basis` is solved instead, so the
-    result is the exact projection for the relaxed metric.
+    ``ε > 0``) the equation of [`sylvester_basis`][quotient_manifolds.geometry.gl.sylvester_basis]
+    is solved instead, so the result is the exact projection for the relaxed metric.
     """
     if metric == "mix" and not gr.eps:
         dt, (G, H, uG, uH) = _work(G, H, uG, uH)
@@ -279,7 +284,7 @@ def horizontal_lambda(
 def vertical(
     G: torch.Tensor, H: torch.Tensor, lam: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The vertical vector ``(GΛ, −HΛᵀ)`` (spec §5.3.2), in the dtype of ``G``."""
+    r"""The vertical vector ``(GΛ, −HΛᵀ)`` ([derivation][vertical-space]), in the dtype of ``G``."""
     lam = lam.to(G.dtype)
     return G @ lam, -(H @ transpose(lam))
 
@@ -293,10 +298,12 @@ def project(
     metric: str,
     basis: SylvesterBasis | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Metric-orthogonal projection onto the horizontal space (spec §5.3.5).
+    r"""Metric-orthogonal projection onto the horizontal space
+    ([derivation][horizontal-projection]).
 
-    ``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` with ``Λ`` from :func:`horizontal_lambda`.
-    Returned in the dtype of ``uG``.
+    ``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` with ``Λ`` from
+    [`horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda]. Returned in the dtype
+    of ``uG``.
     """
     out_dt = uG.dtype
     lam = horizontal_lambda(G, H, uG, uH, gr, metric, basis)
@@ -310,7 +317,7 @@ def egrad2rgrad(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Riemannian gradient in the total space, before the horizontal projection.
 
-    inv: ``(∇_G P, ∇_H Q)``; mix: ``(∇_G Q⁻¹, ∇_H P⁻¹)`` (spec §5.3.6).
+    inv: ``(∇_G P, ∇_H Q)``; mix: ``(∇_G Q⁻¹, ∇_H P⁻¹)`` (Alg. 1 line 10, App. C.2).
     For a GL-invariant loss the result is already horizontal.
     """
     out_dt = gG.dtype
@@ -345,7 +352,7 @@ def _christoffel_mix_factor(
 ) -> torch.Tensor:
     # Γ(ξ,η)_G = ½[ξ_G(η_HᵀH + Hᵀη_H) + η_G(ξ_HᵀH + Hᵀξ_H)]Q⁻¹ − ½ G(ξ_Hᵀη_H + η_Hᵀξ_H)Q⁻¹
     # (quadratic form: ξ_G(ξ_HᵀH + Hᵀξ_H)Q⁻¹ − G ξ_Hᵀξ_H Q⁻¹)
-    if vF is None:
+    if vF is None or vK is None:  # the quadratic form (both are None together)
         S = transpose(uK) @ K
         return (uF @ ((S + transpose(S)) @ K_inv)) - F @ ((transpose(uK) @ uK) @ K_inv)
     Kt = transpose(K)
@@ -365,28 +372,28 @@ def christoffel(
     gr: Grams,
     metric: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""The symmetric bilinear Christoffel form ``Γ_x(u, v)`` (spec §6.5).
+    r"""The symmetric bilinear Christoffel form ``Γ_x(u, v)`` (Eq. 11/12;
+    [derivation][christoffel-forms]).
 
     With ``v = None`` this is the quadratic form ``Γ_x(u, u)`` of Eq. 11 (inv)
 
-    .. math::
-
-        Γ_G = −ξ_G P⁻¹(ξ_Gᵀ G + Gᵀ ξ_G) + G P⁻¹ ξ_Gᵀ ξ_G
+    $$
+    Γ_G = -ξ_G P^{-1}(ξ_G^{\top} G + G^{\top} ξ_G) + G P^{-1} ξ_G^{\top} ξ_G
+    $$
 
     (and the same with ``H, Q``) or Eq. 12 (mix)
 
-    .. math::
-
-        Γ_G = ξ_G(ξ_Hᵀ H + Hᵀ ξ_H)Q⁻¹ − G ξ_Hᵀ ξ_H Q⁻¹,\quad
-        Γ_H = ξ_H(ξ_Gᵀ G + Gᵀ ξ_G)P⁻¹ − H ξ_Gᵀ ξ_G P⁻¹,
+    $$
+    Γ_G = ξ_G(ξ_H^{\top} H + H^{\top} ξ_H)Q^{-1} - G ξ_H^{\top} ξ_H Q^{-1},\quad
+    Γ_H = ξ_H(ξ_G^{\top} G + G^{\top} ξ_G)P^{-1} - H ξ_G^{\top} ξ_G P^{-1},
+    $$
 
     including the ``H`` part that the paper omits, computed with 4 instead of 6
     ``n×h×h`` products per factor.  The geodesic equation is ``γ̈ = −Γ_γ(γ̇, γ̇)``.
     """
     out_dt = uG.dtype
-    pair = vG is not None
     dt, (G, H, uG, uH) = _work(G, H, uG, uH)
-    if pair:
+    if vG is not None and vH is not None:
         vG, vH = vG.to(dt), vH.to(dt)
     if metric == "inv":
         cG = _christoffel_inv_factor(G, gr.P_inv.to(dt), uG, vG)
@@ -430,7 +437,7 @@ def _cross_bmm(X: torch.Tensor, Y: torch.Tensor, alpha: float = 1.0) -> torch.Te
 
 
 def _cross_addbmm_(Z: torch.Tensor, X: torch.Tensor, Y: torch.Tensor, alpha: float) -> None:
-    """``Z_F += α X_o Y_F`` in place, for ``(2k, …)`` stacks as in :func:`_cross_bmm`."""
+    """``Z_F += α X_o Y_F`` in place, for ``(2k, …)`` stacks as in `_cross_bmm`."""
     k = X.shape[0] // 2
     Z[:k].baddbmm_(X[k:], Y[:k], alpha=alpha)
     Z[k:].baddbmm_(X[:k], Y[k:], alpha=alpha)
@@ -498,14 +505,15 @@ def _rk4_stages(y, dt: float, metric: str, eps: float):
 
 
 class _SpanRK4(torch.autograd.Function):
-    """RK4 on the ``h×h``-sized system of :func:`geodesic`, with a hand-written adjoint.
+    """RK4 on the ``h×h``-sized system of [`geodesic`][quotient_manifolds.geometry.gl.geodesic],
+    with a hand-written adjoint.
 
     The backward pass is the exact discrete adjoint of the forward RK4 (so the gradient is
     that of the computed map); the forward keeps each stage's input and ``(A, B, M⁻¹)``.
     """
 
     @staticmethod
-    def forward(ctx, P0, S0, T0, metric, eps, steps, h):  # type: ignore[override]
+    def forward(ctx, P0, S0, T0, metric, eps, steps, h):
         n2 = P0.shape[0]
         I = torch.eye(h, dtype=P0.dtype, device=P0.device)
         Z = torch.zeros_like(I)
@@ -524,7 +532,7 @@ class _SpanRK4(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, gX1):  # type: ignore[override]
+    def backward(ctx, gX1):
         metric, eps, dt, tape = ctx.metric, ctx.eps, ctx.dt, ctx.tape  # kept: retain_graph
         a = [gX1.contiguous()] + [torch.zeros_like(t) for t in tape[0][0][0][1:]]
         for ys, cs in reversed(tape):
@@ -561,16 +569,17 @@ def geodesic(
     ``(γ, γ̇)`` in the column span of ``[F₀, u_F]``: ``[γ, γ̇] = [F₀, u_F] [X, V]`` with
     ``X(0) = [I; 0]``, ``V(0) = [0; I]`` and the closed system
 
-    .. math::
+    $$
+    \dot X = V,\quad \dot V = -(XA + VB),\quad \dot P = S + S^{\top},\quad
+    \dot S = T - PA - SB,\quad \dot T = -(S^{\top}A + TB) - (S^{\top}A + TB)^{\top} .
+    $$
 
-        \dot X = V,\quad \dot V = −(XA + VB),\quad \dot P = S + Sᵀ,\quad
-        \dot S = T − PA − SB,\quad \dot T = −(SᵀA + TB) − (SᵀA + TB)ᵀ .
-
-    RK4 with ``steps`` fixed steps integrates it (spec §6.5.5): every stage costs
+    RK4 with ``steps`` fixed steps integrates it (beyond the paper, which has no closed form
+    and uses the second-order retraction of Eq. 5): every stage costs
     ``O(h³)`` instead of the ``O(n h²)`` of RK4 on ``(γ, γ̇)`` in the full space, with no
     validation and no host sync; ``n×h`` products occur only at the start (``P, S, T``, in
-    float64) and at the end (``γ(1) = F₀ X_{top} + u_F X_{bottom}``).  The states run in
-    the working dtype (float32, or float64 for float64 inputs), ``(P + εI)⁻¹`` is computed
+    float64) and at the end ($γ(1) = F_{0} X_{\text{top}} + u_F X_{\text{bottom}}$).  The states run
+    in the working dtype (float32, or float64 for float64 inputs), ``(P + εI)⁻¹`` is computed
     in float64.
 
     The gradient is the exact discrete adjoint of this RK4, hand-written (not taped by

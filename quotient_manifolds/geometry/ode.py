@@ -1,8 +1,8 @@
 r"""Fixed-step integration of the geodesic equation ``γ̈ = −Γ_γ(γ̇, γ̇)``.
 
-Used for the exact retraction of GL(h) blocks, where no closed form is known
-(spec §6.5.5).  Classic RK4 on the first-order system ``(γ, γ̇)``: plain tensor
-operations, so autograd differentiates through it, and the cost is a fixed
+Used for the exact retraction of GL(h) blocks, where no closed form is known (the paper
+uses the second-order retraction of Eq. 5).  Classic RK4 on the first-order system ``(γ, γ̇)``:
+plain tensor operations, so autograd differentiates through it, and the cost is a fixed
 ``4·steps`` Christoffel evaluations.  The global error is ``O((‖ξ‖/steps)⁴)``;
 ``docs/benchmarks.md`` records measured errors and the comparison with
 ``torchdiffeq``'s adaptive solvers.

@@ -1,4 +1,5 @@
-"""``python -m quotient_manifolds.symbolic [--quick] [--latex] …``: see :mod:`.cli`."""
+"""``python -m quotient_manifolds.symbolic [--quick] [--latex] …``: see
+[`cli`][quotient_manifolds.symbolic.cli]."""
 
 from .cli import main
 

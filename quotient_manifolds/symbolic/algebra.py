@@ -3,7 +3,7 @@ r"""Exact zero tests for the symbolic checks.
 A check *proves* an identity ``lhs = rhs`` by showing that ``lhs − rhs`` is the
 zero function, and *refutes* it by exhibiting a point where it is not zero.
 
-Strategy (fast first, spec-independent):
+Strategy (fast first):
 
 1. **Refutation.**  Substitute random positive rationals for every free
    symbol and evaluate exactly (or to 60 digits when ``exp``/``sqrt`` remain).
@@ -50,7 +50,7 @@ UNDECIDED = "undecided"
 
 @dataclass(frozen=True)
 class ZeroTest:
-    """Outcome of :func:`prove_zero`.
+    """Outcome of [`prove_zero`][quotient_manifolds.symbolic.algebra.prove_zero].
 
     Attributes
     ----------
@@ -210,7 +210,8 @@ def prove_zero(
 
 
 def prove_equal(lhs: Sequence[Any], rhs: Sequence[Any], **kwargs: Any) -> ZeroTest:
-    """:func:`prove_zero` of ``lhs[i] − rhs[i]`` (sequences of equal length)."""
+    """[`prove_zero`][quotient_manifolds.symbolic.algebra.prove_zero] of ``lhs[i] − rhs[i]``
+    (sequences of equal length)."""
     lhs, rhs = list(lhs), list(rhs)
     if len(lhs) != len(rhs):
         raise ValueError(f"length mismatch: {len(lhs)} vs {len(rhs)}")

@@ -4,39 +4,46 @@ Symbolic proofs are about formulas; these bridges tie them to the code that
 actually runs, and reach sizes where expanding rational functions is too slow
 (e.g. ``n = 6, m = 5, h = 3``: 33 coordinates).
 
-* :func:`christoffel_bridge`: the metric tensor is differentiated
-  *symbolically* entry by entry, ``g`` and ``∂g`` are ``lambdify``-ed, and
-  ``Γ^λ_{μν}ξ^μη^ν = ½ g^{λσ}(∂_ν g_{σμ} + ∂_μ g_{σν} − ∂_σ g_{μν})ξ^μη^ν`` is
-  contracted in float64; compared with ``GLQuotient.christoffel`` /
+* [`christoffel_bridge`][quotient_manifolds.symbolic.bridge.christoffel_bridge]: the metric tensor
+  is differentiated *symbolically* entry by entry, ``g`` and ``∂g`` are ``lambdify``-ed, and
+  $Γ^λ_{μν}ξ^μη^ν = \tfrac12 g^{λσ}(\partial _ν g_{σμ} + \partial _μ g_{σν} - \partial _σ
+  g_{μν})ξ^μη^ν$ is contracted in float64; compared with ``GLQuotient.christoffel`` /
   ``DiagonalQuotient.christoffel``.
-* :func:`transcription_bridge`: the library kernel evaluated on SymPy
-  inputs (what the symbolic checks prove things about) is ``lambdify``-ed and
-  compared with the torch call, so the symbolic proofs are about the code.
-* :func:`projection_bridge`: the metric-orthogonal projection computed from
-  the lambdified metric and vertical basis,
+* [`transcription_bridge`][quotient_manifolds.symbolic.bridge.transcription_bridge]: the library
+  kernel evaluated on SymPy inputs (what the symbolic checks prove things about) is ``lambdify``-ed
+  and compared with the torch call, so the symbolic proofs are about the code.
+* [`projection_bridge`][quotient_manifolds.symbolic.bridge.projection_bridge]: the metric-orthogonal
+  projection computed from the lambdified metric and vertical basis,
   ``Π ξ = ξ − V (Vᵀ g V)⁻¹ Vᵀ g ξ``, against ``GLQuotient.proju`` (also for
   ``ε > 0``); for inv the torch ``Λ`` is also compared with
   ``scipy.linalg.solve_sylvester`` on the corrected equation ``AΩ + ΩA = B``.
-* :func:`geodesic_bridge_diagonal`: ``DiagonalQuotient.expmap`` against an
-  RK45 integration of the derived geodesic equations, for horizontal and
-  non-horizontal velocities.
+* [`geodesic_bridge_diagonal`][quotient_manifolds.symbolic.bridge.geodesic_bridge_diagonal]:
+  ``DiagonalQuotient.expmap`` against an RK45 integration of the derived geodesic equations, for
+  horizontal and non-horizontal velocities.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import sympy as sp
 import torch
 
-from ..geometry import adaptive as ad
-from ..geometry import diagonal as dm
-from ..geometry import gl
+from ..geometry import adaptive as _ad
+from ..geometry import diagonal as _dm
+from ..geometry import gl as _gl
 from ..manifolds import DiagonalQuotient, GLQuotient
 from .checks import CheckResult, Outcome, run_check
 from .models import DiagonalModel, GLBlock, adaptive_metric
 from .riemann import CoordinateMetric, vertical_basis
+
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
+dm: Any = _dm
+ad: Any = _ad
 
 __all__ = [
     "NumericMetric",
@@ -51,7 +58,8 @@ RTOL = 1e-9
 
 
 class NumericMetric:
-    r"""``g(x)``, ``∂g(x)`` and ``Γ_x(ξ, η)`` in float64 from a :class:`CoordinateMetric`.
+    r"""``g(x)``, ``∂g(x)`` and ``Γ_x(ξ, η)`` in float64 from a
+    [`CoordinateMetric`][quotient_manifolds.symbolic.riemann.CoordinateMetric].
 
     Only the distinct nonzero entries of ``g`` are differentiated (memoised),
     and all of them go through one ``lambdify(..., cse=True)``.
@@ -90,7 +98,7 @@ class NumericMetric:
         self._fn = sp.lambdify([list(coords)], exprs + list(d_uniq), modules="numpy", cse=True)
 
     def evaluate(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(g, dg)`` at ``x`` with ``dg[c, i, j] = ∂_c g_{ij}``."""
+        r"""``(g, dg)`` at ``x`` with $dg[c, i, j] = \partial _c g_{ij}$."""
         vals = np.asarray(self._fn(np.asarray(x, dtype=np.float64)), dtype=np.float64)
         n = self.n
         g = np.zeros((n, n))
@@ -104,7 +112,8 @@ class NumericMetric:
         return g, dg
 
     def christoffel(self, x: np.ndarray, xi: np.ndarray, eta: np.ndarray) -> np.ndarray:
-        r"""``Γ^λ_{μν} ξ^μ η^ν``, ``Γ^λ_{μν} = ½ g^{λσ}(∂_ν g_{σμ} + ∂_μ g_{σν} − ∂_σ g_{μν})``."""
+        r"""$Γ^λ_{μν} ξ^μ η^ν$, $Γ^λ_{μν} = \tfrac12 g^{λσ}(\partial _ν g_{σμ} + \partial _μ
+        g_{σν} - \partial _σ g_{μν})$."""
         g, dg = self.evaluate(x)
         t1 = np.einsum("nsm,m,n->s", dg, xi, eta)
         t2 = np.einsum("msn,m,n->s", dg, xi, eta)
@@ -163,11 +172,11 @@ def christoffel_bridge(
 def transcription_bridge(kind: str, metric: str, seed: int = 0) -> CheckResult:
     r"""The SymPy evaluation of a library kernel equals the torch evaluation.
 
-    ``kind="gl"``: :func:`~quotient_manifolds.geometry.gl.christoffel`,
+    ``kind="gl"``: [`christoffel`][quotient_manifolds.geometry.gl.christoffel],
     ``inner`` and ``horizontal_residual`` at ``n = 3, m = 2, h = 2``;
-    ``kind="diagonal"``: :func:`~quotient_manifolds.geometry.diagonal.christoffel`
+    ``kind="diagonal"``: [`christoffel`][quotient_manifolds.geometry.diagonal.christoffel]
     and ``project`` at ``d = 2``.  This ties the symbolic proofs (which run the
-    kernels on :class:`~quotient_manifolds.symbolic.tensor.SymTensor`) to the
+    kernels on [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor]) to the
     torch semantics of the same code.
     """
     rng = np.random.default_rng(seed)
@@ -286,7 +295,7 @@ def geodesic_bridge_diagonal(
 
     Velocities: one horizontal (``ξ = (bu, bv)``, Eq. 24) and one generic
     (exercising the library's non-horizontal closed forms: inv
-    ``u e^{tξ_u/u}``; mix the straight line in ``(|uv|, log|u/v|)``).
+    $u e^{tξ_u/u}$; mix the straight line in ``(|uv|, log|u/v|)``).
     """
     from scipy.integrate import solve_ivp
 

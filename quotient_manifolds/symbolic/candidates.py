@@ -1,27 +1,34 @@
 r"""Candidate formulas that the checks accept as arguments.
 
-Every check in :mod:`quotient_manifolds.symbolic.checks` takes the formula
+Every check in [`symbolic.checks`][quotient_manifolds.symbolic.checks] takes the formula
 under test as an argument, with the library's kernel as default.  This module
 holds the symbolic glue for the one kernel that cannot run on SymPy directly,
-and the deliberately *wrong* variants (the paper's printed typos, spec §14)
+and the deliberately *wrong* variants (the paper's printed typos, see
+[Corrections to the paper][corrections-to-the-paper])
 that the checker must reject.
 
 Horizontal ``Λ`` solvers share the signature of
-:func:`quotient_manifolds.geometry.gl.horizontal_lambda` minus ``basis``:
+[`geometry.gl.horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda] minus ``basis``:
 ``(G, H, uG, uH, gr, metric) -> Λ``; the projection is then
-``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` (spec §5.3.5).
+``Π(ξ) = (ξ_G + GΛ, ξ_H − HΛᵀ)`` ([derivation][horizontal-projection]).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import sympy as sp
 from sympy.polys.matrices import DomainMatrix
 
-from ..geometry import gl
+from ..geometry import gl as _gl
 from .algebra import rational_field
+from .models import SymGrams
 from .tensor import SymTensor
+
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
 
 __all__ = [
     "LambdaSolver",
@@ -60,7 +67,7 @@ def solve_linear_matrix_equation(
     return sp.Matrix(*shape, sol)
 
 
-def _parts(G, H, uG, uH, gr: gl.Grams, metric: str):
+def _parts(G, H, uG, uH, gr: SymGrams, metric: str):
     P, Q = gr.P.to_matrix(), gr.Q.to_matrix()
     eps = getattr(gr, "eps", 0) or 0
     eye = sp.eye(P.shape[0])
@@ -68,15 +75,18 @@ def _parts(G, H, uG, uH, gr: gl.Grams, metric: str):
     return P, Q, P - eps * eye, Q - eps * eye, rhs
 
 
-def sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
-    r"""inv ``Λ`` from the corrected Sylvester equation (spec §5.3.5, §14 item 3).
+def sylvester_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "inv",
+) -> SymTensor:
+    r"""inv ``Λ`` from the [corrected Sylvester equation][sylvester-equation].
 
-    .. math::
-
-        AΩ + ΩA = B,\quad A = PQ,\quad B = P Hᵀ ξ_H − ξ_Gᵀ G Q,\quad Λ = Ωᵀ,
+    $$
+    AΩ + ΩA = B,\quad A = PQ,\quad B = P H^{\top} ξ_H - ξ_G^{\top} G Q,\quad Λ = Ω^{\top},
+    $$
 
     with ``B`` computed by the library's
-    :func:`~quotient_manifolds.geometry.gl.horizontal_residual` and the
+    [`horizontal_residual`][quotient_manifolds.geometry.gl.horizontal_residual] and the
     equation solved exactly.  With the relaxation ``ε`` the library documents
     ``(P Q̂) Ω + Ω (P̂ Q) = B`` with ``P̂ = P − εI``, ``Q̂ = Q − εI``; that is
     what is solved (it is the boxed equation at ``ε = 0``).  The torch solver
@@ -88,7 +98,10 @@ def sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTens
     return SymTensor(omega.T)
 
 
-def mix_relaxed_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "mix") -> SymTensor:
+def mix_relaxed_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "mix",
+) -> SymTensor:
     r"""mix ``Λ`` from ``Q Ω P̂ + Q̂ Ω P = C``, ``C = Hᵀ ξ_H P − Q ξ_Gᵀ G``, ``Λ = Ωᵀ``.
 
     The library documents this equation for ``ε > 0``; at ``ε = 0`` its
@@ -100,23 +113,31 @@ def mix_relaxed_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "mix") -> SymTe
     return SymTensor(omega.T)
 
 
-def paper_sylvester_lambda(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
-    r"""**Wrong on purpose**: the paper's printed ``AΛ + ΛAᵀ = B`` (spec §14 item 3)."""
+def paper_sylvester_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "inv",
+) -> SymTensor:
+    r"""**Wrong on purpose**: the paper's printed ``AΛ + ΛAᵀ = B`` ([why][sylvester-equation])."""
     P, Q, _, _, B = _parts(G, H, uG, uH, gr, "inv")
     A = P * Q
     lam = solve_linear_matrix_equation(lambda L: A * L + L * A.T - B, B.shape)
     return SymTensor(lam)
 
 
-def library_lambda(G, H, uG, uH, gr: gl.Grams, metric: str) -> SymTensor:
-    r"""The library's ``Λ`` (:func:`~quotient_manifolds.geometry.gl.horizontal_lambda`).
+def library_lambda(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str,
+) -> SymTensor:
+    r"""The library's ``Λ``
+    ([`horizontal_lambda`][quotient_manifolds.geometry.gl.horizontal_lambda]).
 
     * mix, ``ε = 0``: the library's closed form, run on SymPy inputs;
     * otherwise the library solves a Sylvester-type equation in an
       eigenbasis (``torch.linalg.eigh``), which has no useful closed form;
       the equation it documents is solved exactly instead
-      (:func:`sylvester_lambda`, :func:`mix_relaxed_lambda`), and the numeric
-      projection bridge confirms that the torch solver returns its solution.
+      ([`sylvester_lambda`][quotient_manifolds.symbolic.candidates.sylvester_lambda],
+      [`mix_relaxed_lambda`][quotient_manifolds.symbolic.candidates.mix_relaxed_lambda]), and the
+      numeric projection bridge confirms that the torch solver returns its solution.
     """
     eps = getattr(gr, "eps", 0) or 0
     if metric == "mix":
@@ -126,11 +147,15 @@ def library_lambda(G, H, uG, uH, gr: gl.Grams, metric: str) -> SymTensor:
     return sylvester_lambda(G, H, uG, uH, gr, metric)
 
 
-def christoffel_mix_without_h_part(G, H, uG, uH, vG, vH, gr: gl.Grams, metric: str):
+def christoffel_mix_without_h_part(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, vG: SymTensor, vH: SymTensor,
+    gr: SymGrams, metric: str,
+) -> tuple[SymTensor, SymTensor]:
     r"""**Wrong on purpose**: the library's Γ with the mix ``H`` part dropped.
 
     The paper prints only the ``G`` part of Eq. 12 and calls the ``H`` part
-    "similar" (spec §6.5.2); an implementation that forgets it has ``Γ_H = 0``.
+    "similar" ([derivation][christoffel-forms]); an implementation that forgets it has
+    ``Γ_H = 0``.
     """
     cG, cH = gl.christoffel(G, H, uG, uH, vG, vH, gr, metric)
     if metric == "mix":
@@ -138,10 +163,13 @@ def christoffel_mix_without_h_part(G, H, uG, uH, vG, vH, gr: gl.Grams, metric: s
     return cG, cH
 
 
-def paper_inv_horizontal_residual(G, H, uG, uH, gr: gl.Grams, metric: str = "inv") -> SymTensor:
+def paper_inv_horizontal_residual(
+    G: SymTensor, H: SymTensor, uG: SymTensor, uH: SymTensor, gr: SymGrams,
+    metric: str = "inv",
+) -> SymTensor:
     r"""**Wrong on purpose**: the paper's printed inv condition ``ξ_GᵀGQ = P Hᵀ ξ_Hᵀ``.
 
-    Dimensionally inconsistent unless ``m = h`` (spec §14 item 2); where it
+    Dimensionally inconsistent unless ``m = h`` ([derivation][inv-horizontal]); where it
     can be evaluated it is not the metric-orthogonal complement of the
     vertical space.  The correct last factor is ``Hᵀ ξ_H``.
     """

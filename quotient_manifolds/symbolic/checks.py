@@ -1,28 +1,27 @@
 r"""Symbolic checks: every formula of the library against the metric it comes from.
 
 Each ``check_*`` function derives the reference from a metric written as a
-SymPy matrix (:mod:`~quotient_manifolds.symbolic.models`,
-:mod:`~quotient_manifolds.symbolic.riemann`), evaluates the formula under test
+SymPy matrix ([`models`][quotient_manifolds.symbolic.models],
+[`riemann`][quotient_manifolds.symbolic.riemann]), evaluates the formula under test
 symbolically and proves that the difference is the zero function
-(:func:`~quotient_manifolds.symbolic.algebra.prove_zero`).  The formula under
+([`prove_zero`][quotient_manifolds.symbolic.algebra.prove_zero]).  The formula under
 test is an argument whose default is the library's own kernel, run on SymPy
-inputs through :class:`~quotient_manifolds.symbolic.tensor.SymTensor`; pass a
+inputs through [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor]; pass a
 different callable to test a candidate (the tests inject the paper's printed
 typos, which must fail).
 
-Every function returns a :class:`CheckResult`; none raises on a failed proof.
+Every function returns a [`CheckResult`][quotient_manifolds.symbolic.checks.CheckResult]; none
+raises on a failed proof.
 
-=====================  ====================================================  =========
-check                  what is proven                                        spec
-=====================  ====================================================  =========
-``christoffel``        ``Γ^λ_{μν}ξ^μη^ν`` from the metric = library Γ(ξ, η)   §6.1, §6.4–6.5
-``geodesic``           closed-form geodesics solve ``ẍ + Γ(ẋ, ẋ) = 0``         §6.4
-``retraction``         ``x + ξ − ½Γ(ξ, ξ)`` is the geodesic to second order   §6.3
-``invariance``         metric and library ``inner`` are GL-invariant           §3.3, §5.3.3
-``vertical``           derived vertical/horizontal spaces = library's          §5.2, §5.3.2, §5.3.4
-``projection``         Π(ξ) horizontal, ⟂ vertical, Π(ξ) − ξ vertical           §5.2, §5.3.5
-``rgrad``              ``⟨grad L, η⟩ = dL[η]`` (before/after projection)        §5.2, §5.3.6
-=====================  ====================================================  =========
+| check | what is proven | where |
+|---|---|---|
+| ``christoffel`` | $Γ^λ_{μν}ξ^μη^ν$ from the metric = library Γ(ξ, η) | App. I.2, Eq. 11/12 |
+| ``geodesic`` | closed-form geodesics solve ``ẍ + Γ(ẋ, ẋ) = 0`` | Eq. 24, App. D |
+| ``retraction`` | ``x + ξ − ½Γ(ξ, ξ)`` is the geodesic to second order | Eq. 5 |
+| ``invariance`` | metric and library ``inner`` are GL-invariant | Def. 3.1, Eq. 9/10 |
+| ``vertical`` | derived vertical/horizontal spaces = library's | [V][vertical-space] |
+| ``projection`` | Π(ξ) horizontal, ⟂ vertical, Π(ξ) − ξ vertical | [Π][horizontal-projection] |
+| ``rgrad`` | ``⟨grad L, η⟩ = dL[η]`` (before/after projection) | Alg. 1 lines 10, 12 |
 """
 
 from __future__ import annotations
@@ -31,12 +30,13 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import sympy as sp
 
-from ..geometry import adaptive as ad
-from ..geometry import diagonal as dm
-from ..geometry import gl
+from ..geometry import adaptive as _ad
+from ..geometry import diagonal as _dm
+from ..geometry import gl as _gl
 from .algebra import ZeroTest, prove_equal, prove_zero
 from .candidates import library_lambda
 from .models import (
@@ -56,6 +56,12 @@ from .riemann import (
     vertical_basis,
 )
 from .tensor import SymTensor, scalar
+
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
+dm: Any = _dm
+ad: Any = _ad
 
 __all__ = [
     "CheckResult",
@@ -128,7 +134,8 @@ def _combine(parts: Sequence[tuple[str, ZeroTest]]) -> Outcome:
 def run_check(
     check: str, subject: str, sizes: str, mode: str, fn: Callable[[], Outcome]
 ) -> CheckResult:
-    """Time ``fn`` and wrap its ``(passed, detail)`` in a :class:`CheckResult`.
+    """Time ``fn`` and wrap its ``(passed, detail)`` in a
+    [`CheckResult`][quotient_manifolds.symbolic.checks.CheckResult].
 
     An exception inside ``fn`` is a failure, reported with its last frame.
     """
@@ -146,20 +153,20 @@ def _syms(prefix: str, n: int) -> list[sp.Symbol]:
 
 
 # ---------------------------------------------------------------------------------
-# 1. Christoffel symbols (spec §6.1, §6.4, §6.5)
+# 1. Christoffel symbols (App. I.2, Eq. 11/12, Eq. 24)
 # ---------------------------------------------------------------------------------
 def check_christoffel_scalar_toy(
     gl_candidate: Callable = gl.christoffel,
     diag_candidate: Callable = dm.christoffel,
     adaptive_candidate: Callable = ad.christoffel,
 ) -> CheckResult:
-    r"""Scalar toy ``x ↦ GHx``, metric ``dG²/G² + dH²/H²`` (spec §5.4, §6.4.2).
+    r"""Scalar toy ``x ↦ GHx``, metric ``dG²/G² + dH²/H²`` (Eq. 18, App. D).
 
     Proves, from the metric alone: the paper's App. D symbols
-    ``Γ^G_{GG} = −1/G``, ``Γ^H_{HH} = −1/H`` (all others 0), and that the
+    $Γ^G_{GG} = -1/G$, $Γ^H_{HH} = -1/H$ (all others 0), and that the
     library's GL(1) block (``n = m = h = 1``, inv), diagonal (``d = 1``, inv)
     and adaptive (``ε = 0``, per coordinate) kernels all return
-    ``Γ^λ_{μν} ξ^μ η^ν``.
+    $Γ^λ_{μν} ξ^μ η^ν$.
     """
 
     def run() -> Outcome:
@@ -201,11 +208,11 @@ def check_christoffel_scalar_toy(
 
 
 def check_christoffel_adaptive(candidate: Callable = ad.christoffel) -> CheckResult:
-    r"""Adaptive metric ``ξ²/(w² + ε)`` with symbolic ``ε > 0`` (spec §6.6, §7.3).
+    r"""Adaptive metric ``ξ²/(w² + ε)`` with symbolic ``ε > 0`` (App. F, App. C.1).
 
-    Derived: ``Γ^w_{ww} = −w/(w² + ε)``; the library's
-    :func:`~quotient_manifolds.geometry.adaptive.christoffel` must equal
-    ``Γ^w_{ww} u v``.
+    Derived: $Γ^w_{ww} = -w/(w^{2} + ε)$; the library's
+    [`christoffel`][quotient_manifolds.geometry.adaptive.christoffel] must equal
+    $Γ^w_{ww} u v$.
     """
 
     def run() -> Outcome:
@@ -221,12 +228,12 @@ def check_christoffel_adaptive(candidate: Callable = ad.christoffel) -> CheckRes
 def check_christoffel_diagonal(
     d: int = 2, metric: str = "inv", candidate: Callable = dm.christoffel
 ) -> CheckResult:
-    r"""Diagonal nets, Eq. 6/7: library ``Γ(ξ, η)`` = ``Γ^λ_{μν}ξ^μη^ν`` (spec §6.4.1).
+    r"""Diagonal nets, Eq. 6/7: library ``Γ(ξ, η)`` = $Γ^λ_{μν}ξ^μη^ν$ (§5.1).
 
     ``candidate`` has the signature of
-    :func:`quotient_manifolds.geometry.diagonal.christoffel`
+    [`geometry.diagonal.christoffel`][quotient_manifolds.geometry.diagonal.christoffel]
     ``(u, v, ξ_u, ξ_v, η_u, η_v, metric) -> (Γ_u, Γ_v)`` and is run on
-    ``(d,)``-shaped :class:`SymTensor` inputs.
+    ``(d,)``-shaped [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor] inputs.
     """
     model = DiagonalModel(d)
 
@@ -249,13 +256,13 @@ def check_christoffel_gl(
     candidate: Callable = gl.christoffel,
     eps: sp.Expr = sp.S.Zero,
 ) -> CheckResult:
-    r"""GL(h) blocks, Eq. 9/10: library Eq. 11/12 (incl. H parts) = ``Γ^λ_{μν}ξ^μη^ν``.
+    r"""GL(h) blocks, Eq. 9/10: library Eq. 11/12 (incl. H parts) = $Γ^λ_{μν}ξ^μη^ν$.
 
     The reference is derived from the metric ``Tr(P⁻¹ηGᵀηG + Q⁻¹ηHᵀηH)``
     (inv) or ``Tr(QηGᵀηG + PηHᵀηH)`` (mix) written in the ``(n+m)h``
     coordinates; ``candidate`` has the signature of
-    :func:`quotient_manifolds.geometry.gl.christoffel` and is run on SymPy
-    inputs.  With a symbolic ``eps`` the relaxed metric (spec §5.3.1) is used.
+    [`geometry.gl.christoffel`][quotient_manifolds.geometry.gl.christoffel] and is run on SymPy
+    inputs.  With a symbolic ``eps`` the [relaxed metric][eps-relaxation] is used.
     """
     block = GLBlock(n, m, h, eps)
 
@@ -273,10 +280,10 @@ def check_christoffel_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 2. Geodesics (spec §6.4)
+# 2. Geodesics (Eq. 24, App. D)
 # ---------------------------------------------------------------------------------
 def closed_form_geodesic(metric: str) -> Callable[[sp.Expr, sp.Expr, sp.Expr], sp.Expr]:
-    r"""Eq. 24 per coordinate, horizontal velocity ``b``: ``u e^{bt}`` / ``u√(1+2bt)`` (inv/mix)."""
+    r"""Eq. 24 per coordinate, horizontal velocity ``b``: $u e^{bt}$ / ``u√(1+2bt)`` (inv/mix)."""
     if metric == "inv":
         return lambda x0, b, t: x0 * sp.exp(b * t)
     return lambda x0, b, t: x0 * sp.sqrt(1 + 2 * b * t)
@@ -290,9 +297,9 @@ def check_geodesic_diagonal(
     r"""The closed-form horizontal geodesics solve the derived geodesic equations.
 
     ``γ(t) = (c(u, b, t), c(v, b, t))`` coordinatewise, with ``c`` from
-    :func:`closed_form_geodesic` unless given, must satisfy
-    ``γ̈^λ + Γ^λ_{μν}(γ) γ̇^μ γ̇^ν = 0``, ``γ(0) = (u, v)`` and
-    ``γ̇(0) = (b u, b v)`` (a horizontal velocity, spec §5.2, §6.4).
+    [`closed_form_geodesic`][quotient_manifolds.symbolic.checks.closed_form_geodesic] unless given,
+    must satisfy $γ̈^λ + Γ^λ_{μν}(γ) γ̇^μ γ̇^ν = 0$, ``γ(0) = (u, v)`` and
+    ``γ̇(0) = (b u, b v)`` (a horizontal velocity, Eq. 24).
     """
     model = DiagonalModel(2) if model is None else model
     curve = closed_form_geodesic(metric) if curve is None else curve
@@ -317,9 +324,9 @@ def check_geodesic_diagonal(
 
 
 def check_geodesic_diagonal_general_inv(d: int = 2) -> CheckResult:
-    r"""inv, any velocity: the library's ``(u e^{tξ_u/u}, v e^{tξ_v/v})`` solves the ODE.
+    r"""inv, any velocity: the library's $(u e^{tξ_u/u}, v e^{tξ_v/v})$ solves the ODE.
 
-    Transcribes :func:`quotient_manifolds.geometry.diagonal.geodesic` (inv
+    Transcribes [`geometry.diagonal.geodesic`][quotient_manifolds.geometry.diagonal.geodesic] (inv
     branch; ``torch.exp`` has no SymPy path) for a *non*-horizontal velocity.
     """
     model = DiagonalModel(d)
@@ -339,9 +346,10 @@ def check_geodesic_diagonal_general_inv(d: int = 2) -> CheckResult:
 
 
 def adaptive_geodesic(w: sp.Expr, xi: sp.Expr, eps: sp.Expr, t: sp.Expr) -> sp.Expr:
-    r"""Transcribes :func:`quotient_manifolds.geometry.adaptive.geodesic` (torch-only).
+    r"""Transcribes [`geometry.adaptive.geodesic`][quotient_manifolds.geometry.adaptive.geodesic]
+    (torch-only).
 
-    ``ε = 0``: ``w e^{tξ/w}``; ``ε > 0``: ``√ε sinh(asinh(w/√ε) + tξ/√(w² + ε))``.
+    ``ε = 0``: $w e^{tξ/w}$; ``ε > 0``: ``√ε sinh(asinh(w/√ε) + tξ/√(w² + ε))``.
     """
     if eps == 0:
         return w * sp.exp(t * xi / w)
@@ -353,7 +361,7 @@ def check_geodesic_adaptive(curve: Callable = adaptive_geodesic) -> CheckResult:
     r"""The adaptive geodesics solve the ODE of ``ξ²/(w² + ε)`` (``ε = 0`` and symbolic ``ε``).
 
     ``curve(w, ξ, ε, t)`` must satisfy ``γ̈ + Γ(γ)γ̇² = 0``, ``γ(0) = w``,
-    ``γ̇(0) = ξ`` (spec §6.6, §7.3).
+    ``γ̇(0) = ξ`` (App. F).
     """
 
     def run() -> Outcome:
@@ -383,7 +391,7 @@ def check_retraction_diagonal(
     The closed-form geodesic (Eq. 24) with horizontal velocity ``sξ``,
     ``ξ = (bu, bv)``, is expanded in ``s``; its second-order Taylor polynomial
     must equal the retraction built from the library's Christoffel form
-    (spec §6.3, §11 item 6; spec §14 item 4: some renderings print ``−2Γ``).
+    (Eq. 5; some renderings of Alg. 1 print ``−2Γ``).
     """
     model = DiagonalModel(d)
 
@@ -408,7 +416,7 @@ def check_retraction_diagonal(
 
 
 # ---------------------------------------------------------------------------------
-# 3. Invariance (spec §3.3, §5.2, §5.3.3)
+# 3. Invariance (Def. 3.1, Eq. 6/7, Eq. 9/10)
 # ---------------------------------------------------------------------------------
 def _diag_inner(model: DiagonalModel, metric: str, point, xi, eta, inner: Callable) -> sp.Expr:
     S = model.sym
@@ -422,7 +430,7 @@ def check_invariance_diagonal(
     r"""Eq. 6/7 are invariant under ``(αu, v/α)`` with tangent map ``(αξ_u, ξ_v/α)``.
 
     Proves: the tangent map (Jacobian of the action) is the stated one; the
-    coordinate metric satisfies ``g_{ψ(x)}(dψξ, dψξ) = g_x(ξ, ξ)``; the library's
+    coordinate metric satisfies $g_{ψ(x)}(dψξ, dψξ) = g_x(ξ, ξ)$; the library's
     ``inner_terms`` summed equals Eq. 6/7 and is invariant too.
     """
     model = DiagonalModel(d)
@@ -468,7 +476,7 @@ def check_invariance_gl(
     ``A = I + Ω`` with ``h²`` free symbols (a generic invertible matrix).
     Proves the tangent map (Jacobian of the action) is the stated one, the
     coordinate metric is invariant, and the library's
-    :func:`~quotient_manifolds.geometry.gl.inner` equals Eq. 9/10 identically
+    [`inner`][quotient_manifolds.geometry.gl.inner] equals Eq. 9/10 identically
     (hence is invariant as well).
     """
     block = GLBlock(n, m, h)
@@ -510,7 +518,7 @@ def check_invariance_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 4. Vertical and horizontal spaces (spec §5.2, §5.3.2, §5.3.4)
+# 4. Vertical and horizontal spaces (docs: corrections.md)
 # ---------------------------------------------------------------------------------
 def diagonal_vertical(model: DiagonalModel, omega: Sequence[sp.Expr]) -> list[sp.Expr]:
     """``(ω ⊙ u, −ω ⊙ v)`` (transcribes ``DiagonalQuotient.vertical``)."""
@@ -578,10 +586,10 @@ def check_vertical_gl(
     r"""Derived vertical space = library ``(GΛ, −HΛᵀ)``; derived horizontal ⇔ library residual.
 
     Vertical: the derivative of ``(GA⁻¹, HAᵀ)`` at ``A = I`` spans the same
-    ``h²``-dimensional space as :func:`~quotient_manifolds.geometry.gl.vertical`.
+    ``h²``-dimensional space as [`vertical`][quotient_manifolds.geometry.gl.vertical].
     Horizontal: the ``h²`` conditions ``g(V_k, ξ) = 0`` have the same row space
-    as the library's :func:`~quotient_manifolds.geometry.gl.horizontal_residual`
-    (inv ``P Hᵀξ_H − ξ_GᵀGQ``, the corrected form of spec §14 item 2; mix
+    as the library's [`horizontal_residual`][quotient_manifolds.geometry.gl.horizontal_residual]
+    (inv ``P Hᵀξ_H − ξ_GᵀGQ``, the [corrected form][inv-horizontal]; mix
     ``Gᵀξ_G Q − P ξ_HᵀH``).  ``vertical`` and ``residual`` default to the
     library's kernels and may be replaced by candidates.
     """
@@ -604,7 +612,7 @@ def check_vertical_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 5. Horizontal projection (spec §5.2, §5.3.5)
+# 5. Horizontal projection (docs: corrections.md)
 # ---------------------------------------------------------------------------------
 def check_projection_diagonal(
     d: int = 2, metric: str = "inv", project: Callable = dm.project
@@ -693,7 +701,8 @@ def _factored_projection(block: GLBlock, metric: str, lam: Callable) -> Outcome:
 
     Together: ``R(Π(ξ)) = 0``.  Metric-orthogonality to the vertical space then
     follows from the proven equivalence of the derived horizontal conditions
-    with ``R`` (:func:`check_vertical_gl`), which is re-proven here.
+    with ``R`` ([`check_vertical_gl`][quotient_manifolds.symbolic.checks.check_vertical_gl]), which
+    is re-proven here.
     """
     h, eps = block.h, block.eps
     S = block.sym
@@ -744,16 +753,16 @@ def check_projection_gl(
     ----------
     lam : callable
         ``(G, H, ξ_G, ξ_H, grams, metric) -> Λ`` (default: the library's,
-        :func:`~quotient_manifolds.symbolic.candidates.library_lambda`).  The
+        [`library_lambda`][quotient_manifolds.symbolic.candidates.library_lambda]).  The
         paper's printed ``AΛ + ΛAᵀ = B``
-        (:func:`~quotient_manifolds.symbolic.candidates.paper_sylvester_lambda`)
+        ([`paper_sylvester_lambda`][quotient_manifolds.symbolic.candidates.paper_sylvester_lambda])
         must fail for ``h ≥ 2``.
     mode : {"auto", "direct", "factored"}
         ``direct``: build ``Π(ξ)`` at symbolic ``G, H, ξ`` and prove that it
         satisfies the library's horizontal condition, is ``g``-orthogonal to
         the derived vertical space and differs from ``ξ`` by a vertical
         vector.  ``factored``: the two-level proof of
-        :func:`_factored_projection`, for Sylvester solutions whose expanded
+        `_factored_projection`, for Sylvester solutions whose expanded
         form is too large (``auto`` picks it for inv with ``h ≥ 2`` and for
         ``ε ≠ 0``).
     """
@@ -770,10 +779,12 @@ def check_projection_gl(
 
 
 # ---------------------------------------------------------------------------------
-# 6. Riemannian gradients (spec §5.2, §5.3.6)
+# 6. Riemannian gradients (Alg. 1 lines 10/12, App. C.2)
 # ---------------------------------------------------------------------------------
-def diagonal_rgrad_unprojected(u, v, gu, gv, metric: str):
-    r"""Spec §5.2 before projection: inv ``(u²∂_u, v²∂_v)``, mix ``(∂_u/v², ∂_v/u²)``."""
+def diagonal_rgrad_unprojected(
+    u: sp.Expr, v: sp.Expr, gu: sp.Expr, gv: sp.Expr, metric: str
+) -> tuple[sp.Expr, sp.Expr]:
+    r"""Diagonal nets before projection: inv ``(u²∂_u, v²∂_v)``, mix ``(∂_u/v², ∂_v/u²)``."""
     if metric == "inv":
         return u**2 * gu, v**2 * gv
     return gu / v**2, gv / u**2
@@ -787,7 +798,7 @@ def check_rgrad_diagonal(
 ) -> CheckResult:
     r"""``⟨grad L, η⟩_g = dL[η]`` for all ``η``, and after projection for horizontal ``η``.
 
-    ``∂_u L, ∂_v L`` are free symbols (any loss).  Also proves the spec's
+    ``∂_u L, ∂_v L`` are free symbols (any loss).  Also proves the
     claim that for an invariant loss (``∂_u L = v ⊙ ∂_β L``,
     ``∂_v L = u ⊙ ∂_β L``) the gradient is already horizontal.
     """
@@ -832,17 +843,17 @@ def check_rgrad_gl(
     after_projection: bool | None = None,
     eps: sp.Expr = sp.S.Zero,
 ) -> CheckResult:
-    r"""``⟨grad L, η⟩_g = dL[η] = Tr(∇_Gᵀη_G + ∇_Hᵀη_H)`` for all ``η`` (spec §5.3.6).
+    r"""``⟨grad L, η⟩_g = dL[η] = Tr(∇_Gᵀη_G + ∇_Hᵀη_H)`` for all ``η``.
 
     ``rgrad`` has the signature of
-    :func:`quotient_manifolds.geometry.gl.egrad2rgrad` (inv ``(∇_G P, ∇_H Q)``,
+    [`geometry.gl.egrad2rgrad`][quotient_manifolds.geometry.gl.egrad2rgrad] (inv ``(∇_G P, ∇_H Q)``,
     mix ``(∇_G Q⁻¹, ∇_H P⁻¹)``); the Euclidean gradients are free symbols.
     After projection, ``⟨Π grad L, η⟩ = dL[η]`` for horizontal ``η = Π(ζ)``
     (run when the projection is a closed form: ``h = 1`` or mix; otherwise it
     follows from the projection check).  Also proves that for an invariant
     loss, ``∇_G = D H``, ``∇_H = Dᵀ G`` with free ``D``, the gradient is
     horizontal before any projection.  With a symbolic ``eps`` all of this is
-    proven for the relaxed metric (spec §5.3.1).
+    proven for the [relaxed metric][eps-relaxation].
     """
     block = GLBlock(n, m, h, eps)
     if after_projection is None:

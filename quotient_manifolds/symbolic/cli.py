@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TextIO
 
 import sympy as sp
@@ -81,7 +82,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"christoffel diagonal {metric} d=2",
-                lambda m=metric: check_christoffel_diagonal(2, m),
+                partial(check_christoffel_diagonal, 2, metric),
                 True,
             )
         )
@@ -90,7 +91,7 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"christoffel GL {metric} n={n},m={m},h={h}",
-                    lambda a=(n, m, h, metric): check_christoffel_gl(*a),
+                    partial(check_christoffel_gl, n, m, h, metric),
                     quick,
                 )
             )
@@ -99,7 +100,7 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"christoffel GL {metric} n={n},m={m},h={h},ε",
-                    lambda a=(n, m, h, metric): check_christoffel_gl(*a, eps=EPS),
+                    partial(check_christoffel_gl, n, m, h, metric, eps=EPS),
                     quick,
                 )
             )
@@ -107,14 +108,14 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"sympy=torch GL {metric} kernels n=3,m=2,h=2",
-                lambda m=metric: transcription_bridge("gl", m),
+                partial(transcription_bridge, "gl", metric),
                 True,
             )
         )
         out.append(
             E(
                 f"sympy=torch diagonal {metric} kernels d=2",
-                lambda m=metric: transcription_bridge("diagonal", m),
+                partial(transcription_bridge, "diagonal", metric),
                 True,
             )
         )
@@ -123,7 +124,7 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"christoffel GL {metric} (bridge) n={n},m={m},h={h}",
-                    lambda a=(n, m, h, metric): christoffel_bridge(*a),
+                    partial(christoffel_bridge, n, m, h, metric),
                     quick,
                 )
             )
@@ -131,7 +132,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"christoffel GL {metric} (bridge) n=6,m=5,h=3,eps=0.1",
-                lambda m=metric: christoffel_bridge(6, 5, 3, m, eps=0.1),
+                partial(christoffel_bridge, 6, 5, 3, metric, eps=0.1),
                 False,
             )
         )
@@ -143,7 +144,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"geodesic diagonal {metric} d=2",
-                lambda m=metric: check_geodesic_diagonal(None, m),
+                partial(check_geodesic_diagonal, None, metric),
                 True,
             )
         )
@@ -153,7 +154,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"geodesic adaptive (bridge) eps={eps:g}",
-                lambda e=eps: geodesic_bridge_adaptive(e),
+                partial(geodesic_bridge_adaptive, eps),
                 True,
             )
         )
@@ -161,7 +162,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"geodesic diagonal {metric} expmap (bridge) d=2",
-                lambda m=metric: geodesic_bridge_diagonal(m),
+                partial(geodesic_bridge_diagonal, metric),
                 True,
             )
         )
@@ -169,7 +170,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"retraction diagonal {metric} d=2",
-                lambda m=metric: check_retraction_diagonal(2, m),
+                partial(check_retraction_diagonal, 2, metric),
                 True,
             )
         )
@@ -178,7 +179,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"invariance diagonal {metric} d=2",
-                lambda m=metric: check_invariance_diagonal(2, m),
+                partial(check_invariance_diagonal, 2, metric),
                 True,
             )
         )
@@ -187,7 +188,7 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"invariance GL {metric} n={n},m={m},h={h}",
-                    lambda a=(n, m, h, metric): check_invariance_gl(*a),
+                    partial(check_invariance_gl, n, m, h, metric),
                     quick,
                 )
             )
@@ -196,7 +197,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"vertical+horizontal diagonal {metric} d=2",
-                lambda m=metric: check_vertical_diagonal(2, m),
+                partial(check_vertical_diagonal, 2, metric),
                 True,
             )
         )
@@ -205,7 +206,7 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"vertical+horizontal GL {metric} n={n},m={m},h={h}",
-                    lambda a=(n, m, h, metric): check_vertical_gl(*a),
+                    partial(check_vertical_gl, n, m, h, metric),
                     quick,
                 )
             )
@@ -214,7 +215,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"projection diagonal {metric} d=2",
-                lambda m=metric: check_projection_diagonal(2, m),
+                partial(check_projection_diagonal, 2, metric),
                 True,
             )
         )
@@ -230,7 +231,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"projection GL {metric} n={n},m={m},h={h} ({mode})",
-                lambda a=(n, m, h, metric), md=mode: check_projection_gl(*a, mode=md),
+                partial(check_projection_gl, n, m, h, metric, mode=mode),
                 quick,
             )
         )
@@ -238,7 +239,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"projection GL {metric} n=2,m=2,h=1,ε",
-                lambda m=metric: check_projection_gl(2, 2, 1, m, eps=EPS),
+                partial(check_projection_gl, 2, 2, 1, metric, eps=EPS),
                 True,
             )
         )
@@ -253,14 +254,14 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"projection GL {metric} (bridge) n={n},m={m},h={h}{tag}",
-                    lambda a=(n, m, h, metric, eps): projection_bridge(*a),
+                    partial(projection_bridge, n, m, h, metric, eps),
                     quick,
                 )
             )
     # Riemannian gradients
     for metric in ("inv", "mix"):
         out.append(
-            E(f"rgrad diagonal {metric} d=2", lambda m=metric: check_rgrad_diagonal(2, m), True)
+            E(f"rgrad diagonal {metric} d=2", partial(check_rgrad_diagonal, 2, metric), True)
         )
     for (n, m, h), metrics, quick in (
         ((2, 2, 1), ("inv", "mix"), True),
@@ -272,7 +273,7 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"rgrad GL {metric} n={n},m={m},h={h}",
-                    lambda a=(n, m, h, metric): check_rgrad_gl(*a),
+                    partial(check_rgrad_gl, n, m, h, metric),
                     quick,
                 )
             )
@@ -280,7 +281,7 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"rgrad GL {metric} n=2,m=2,h=1,ε",
-                lambda m=metric: check_rgrad_gl(2, 2, 1, m, eps=EPS),
+                partial(check_rgrad_gl, 2, 2, 1, metric, eps=EPS),
                 True,
             )
         )

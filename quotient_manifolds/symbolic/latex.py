@@ -1,8 +1,8 @@
 r"""The derivations as Markdown with SymPy-rendered LaTeX (``--latex``).
 
-:func:`derivations_markdown` derives every object shown from the metric with
-:mod:`quotient_manifolds.symbolic.riemann` and renders it with
-``sympy.latex``; the paper's printed equations and the library's (corrected)
+[`derivations_markdown`][quotient_manifolds.symbolic.latex.derivations_markdown] derives every
+object shown from the metric with [`symbolic.riemann`][quotient_manifolds.symbolic.riemann] and
+renders it with ``sympy.latex``; the paper's printed equations and the library's (corrected)
 matrix formulas are placed next to them.  ``docs/derivations.md`` is this
 output plus the runtime table of ``python -m quotient_manifolds.symbolic
 --markdown``.
@@ -30,7 +30,7 @@ __all__ = ["derivations_markdown", "pretty_names"]
 
 
 def pretty_names(symbols: Iterable[sp.Symbol]) -> dict[sp.Symbol, str]:
-    r"""LaTeX names for the package's ASCII symbols (``xiG_00`` → ``\xi^{G}_{00}``)."""
+    r"""LaTeX names for the package's ASCII symbols (``xiG_00`` → $\xi^{G}_{00}$)."""
     out = {}
     for s in symbols:
         m = re.fullmatch(r"(xi|eta|zeta|dL)(G|H|_u|_v|_G|_H)_?(\d*)", s.name)
@@ -57,7 +57,15 @@ def _symbols_table(metric: CoordinateMetric) -> list[str]:
         lines.append(
             f"$$\\Gamma^{{{names[lam]}}}_{{{names[mu]}{names[nu]}}} = {_tex(sp.factor(val))}$$"
         )
-    return lines or ["(all Christoffel symbols vanish)"]
+    return _paragraphs(lines) or ["(all Christoffel symbols vanish)"]
+
+
+def _paragraphs(lines: list[str]) -> list[str]:
+    """One display formula per paragraph (a ``$$…$$`` block must stand alone to render)."""
+    out: list[str] = []
+    for line in lines:
+        out += [line, ""]
+    return out[:-1]
 
 
 def _geodesic_eqs(metric: CoordinateMetric) -> list[str]:
@@ -72,7 +80,7 @@ def _geodesic_eqs(metric: CoordinateMetric) -> list[str]:
     for eq in metric.geodesic_equations(t):
         lhs = eq.lhs.subs(sub).subs({sp.Function(c.name)(t): c for c in metric.coords})
         out.append(f"$${_tex(sp.expand(lhs))} = 0$$")
-    return out
+    return _paragraphs(out)
 
 
 def _status(result) -> str:
@@ -83,7 +91,8 @@ def _toy() -> list[str]:
     toy = scalar_toy()
     g = toy.coordinate_metric("inv")
     out = [
-        r"## 1. Scalar toy $x \mapsto GHx$ (spec §5.4, §6.4.2; paper App. D)",
+        r"## 1. Scalar toy $x \mapsto GHx$ (paper Fig. 1, App. D) "
+        "{ #derivations-toy }",
         "",
         "Metric (paper Eq. 18) written in coordinates $(G, H)$ and its inverse:",
         "",
@@ -105,7 +114,8 @@ def _toy() -> list[str]:
     eps = sp.Symbol("epsilon", positive=True)
     w, am = adaptive_metric(eps)
     out += [
-        "### Adaptive metric (spec §6.6, §7.3)",
+        "### Adaptive metric (App. F; every weight outside a block, App. C.1) "
+        "{ #derivations-adaptive }",
         "",
         f"$$g = {_tex(am.matrix)}$$",
         "",
@@ -122,7 +132,8 @@ def _diagonal() -> list[str]:
     u, v = model.u[0], model.v[0]
     b, t = sp.symbols("b t")
     out = [
-        r"## 2. Diagonal networks $\beta = u \odot v$ (spec §5.2, §6.4.1; paper Eq. 6, 7, 24)",
+        r"## 2. Diagonal networks $\beta = u \odot v$ (paper §5.1, Eq. 6, 7, 24) "
+        "{ #derivations-diagonal }",
         "",
         "Both metrics are sums over coordinates, so one coordinate pair $(u, v)$ shows "
         "everything; the checks use $d = 2$.",
@@ -150,7 +161,9 @@ def _diagonal() -> list[str]:
             "",
             f"Vertical space (derivative of $(\\alpha u, v/\\alpha)$ at $\\alpha = 1$): "
             f"$\\operatorname{{span}}{_tex(V.T)}^\\top$.  Horizontal condition "
-            f"$g(V, \\xi) = 0$: $${_tex(sp.factor(cond))} = 0 \\iff \\xi^{{u}} v = \\xi^{{v}} u.$$",
+            f"$g(V, \\xi) = 0$:",
+            "",
+            f"$${_tex(sp.factor(cond))} = 0 \\iff \\xi^{{u}} v = \\xi^{{v}} u.$$",
             "",
             f"Closed-form geodesic (Eq. 24), horizontal velocity $(bu, bv)$: "
             f"$\\gamma(t) = ({_tex(gam(u, b, t))}, {_tex(gam(v, b, t))})$ — "
@@ -173,7 +186,8 @@ def _diagonal() -> list[str]:
 
 def _gl() -> list[str]:
     out = [
-        r"## 3. GL(h) blocks $(G, H) \sim (GA^{-1}, HA^\top)$ (spec §5.3, §6.5; paper Eq. 9–12)",
+        r"## 3. GL(h) blocks $(G, H) \sim (GA^{-1}, HA^\top)$ (paper §5.2, Eq. 9–12) "
+        "{ #derivations-gl }",
         "",
         r"Metrics (paper Eq. 9, 10), $P = G^\top G$, $Q = H^\top H$:",
         "",
@@ -197,11 +211,18 @@ def _gl() -> list[str]:
         "### 3.2 Christoffel quadratic forms: paper vs library",
         "",
         "Paper Eq. 11 (inv, $G$ part; $H$ analogous):",
+        "",
         r"$$\Gamma_G = -\xi_G P^{-1}(\xi_G^\top G + G^\top\xi_G) + G P^{-1}\xi_G^\top\xi_G$$",
+        "",
         "Paper Eq. 12 (mix) prints only",
+        "",
         r"$$\Gamma_G = \xi_G(\xi_H^\top H + H^\top\xi_H)Q^{-1} - G\,\xi_H^\top\xi_H\,Q^{-1}$$",
-        "The library adds the $H$ part (spec §6.5.2)",
+        "",
+        "The library adds the $H$ part "
+        "([derivation](corrections.md#christoffel-forms))",
+        "",
         r"$$\Gamma_H = \xi_H(\xi_G^\top G + G^\top\xi_G)P^{-1} - H\,\xi_G^\top\xi_G\,P^{-1}$$",
+        "",
         "and uses the polarised (bilinear) form.  Proven equal to "
         r"$\Gamma^\lambda_{\mu\nu}\xi^\mu\eta^\nu$ from the metric "
         "(table below, up to $n=4, m=3, h=2$ symbolically and $n=8, m=6, h=4$ numerically). "
@@ -238,11 +259,12 @@ def _gl_spaces() -> list[str]:
     for metric in ("inv", "mix"):
         g = block.coordinate_metric(metric)
         cond = horizontal_conditions(g, V, block.vec(*xi))[0]
-        out.append(f"Derived horizontal condition ({metric}): $${_tex(sp.factor(cond))} = 0$$")
-        out.append("")
+        out += [f"Derived horizontal condition ({metric}):", ""]
+        out += [f"$${_tex(sp.factor(cond))} = 0$$", ""]
     bad = check_vertical_gl(2, 2, 2, "inv", residual=paper_inv_horizontal_residual)
     out += [
-        "Library conditions (same row space as the derived ones, proven):",
+        "Library conditions (same row space as the derived ones, proven; "
+        "[derivation](corrections.md#inv-horizontal)): "
         r"inv $P H^\top\xi_H - \xi_G^\top G Q = 0$; mix "
         r"$G^\top\xi_G Q - P\,\xi_H^\top H = 0$.  The paper prints the inv condition with "
         r"$H^\top\xi_H^\top$ (dimensionally inconsistent unless $m = h$); evaluated at "
@@ -257,7 +279,8 @@ def _gl_spaces() -> list[str]:
         "* mix (closed form): "
         r"$\Lambda = \tfrac12(\xi_H^\top H Q^{-1} - P^{-1}G^\top\xi_G)$.",
         r"* inv (corrected Sylvester equation): $A\Omega + \Omega A = B$, $A = PQ$, "
-        r"$B = PH^\top\xi_H - \xi_G^\top G Q$, $\Lambda = \Omega^\top$.",
+        r"$B = PH^\top\xi_H - \xi_G^\top G Q$, $\Lambda = \Omega^\top$ "
+        "([derivation](corrections.md#sylvester-equation)).",
         "",
     ]
     bad = check_projection_gl(2, 2, 2, "inv", lam=paper_sylvester_lambda)
@@ -276,7 +299,7 @@ def _gl_spaces() -> list[str]:
         r"$(P\hat Q)\Omega + \Omega(\hat P Q) = B$ (inv) and "
         r"$Q\Omega\hat P + \hat Q\Omega P = H^\top\xi_H P - Q\xi_G^\top G$ (mix), "
         r"$\hat P = P - \varepsilon I$: proven symbolically for $h = 1$ and numerically "
-        "(projection bridge) for $h = 2, 3$.",
+        "(projection bridge) for $h = 2, 3$ ([derivation](corrections.md#eps-relaxation)).",
         "",
         "### 3.5 Riemannian gradients",
         "",
@@ -292,13 +315,13 @@ def _gl_spaces() -> list[str]:
 
 _CORRECTIONS: list[tuple[str, str, str]] = [
     (
-        r"inv horizontal condition ends in $H^\top\xi_H^\top$ (item 2)",
+        r"inv horizontal condition ends in $H^\top\xi_H^\top$",
         r"$\xi_G^\top G Q = P H^\top\xi_H$",
         r"derived $g(\mathcal V, \xi) = 0$ has the same row space as the library residual; "
         r"the printed form is rejected ($m = h = 2$)",
     ),
     (
-        r"inv Sylvester $A\Lambda + \Lambda A^\top = B$ (item 3)",
+        r"inv Sylvester $A\Lambda + \Lambda A^\top = B$",
         r"$A\Omega + \Omega A = B$, $\Lambda = \Omega^\top$",
         r"the printed form's solution is not horizontal for $h = 2$ (counterexample above)",
     ),
@@ -308,20 +331,20 @@ _CORRECTIONS: list[tuple[str, str, str]] = [
         r"$\Gamma_H = 0$ is rejected against the metric's Christoffel symbols",
     ),
     (
-        r"Alg. 1 line 3 $-2\Gamma$ in some renderings (item 4)",
+        r"Alg. 1 line 3 $-2\Gamma$ in some renderings",
         r"$-\tfrac12\Gamma$ (Eq. 5)",
         r"$x + s\xi - \tfrac12 s^2\Gamma(\xi,\xi)$ with the library's $\Gamma$ equals the "
         r"closed-form geodesic to $O(s^3)$; $-2$ is rejected",
     ),
     (
-        r"Eq. 41 Lagrangian garbled (item 6)",
+        r"Eq. 41 Lagrangian garbled",
         r"$\operatorname{Tr}(P^{-1}\dot G^\top\dot G) + "
         r"\operatorname{Tr}(Q^{-1}\dot H^\top\dot H)$",
         r"Christoffel symbols are derived from $g_{\mu\nu}$ directly (equivalent to the "
         r"Euler–Lagrange route)",
     ),
     (
-        r"Def. 3.1 domain labels swapped (item 12)",
+        r"Def. 3.1 domain labels swapped",
         r"$G \in \mathbb R^{n\times h}$, $H \in \mathbb R^{m\times h}$",
         r"the $h \ge 2$ blocks are checked with $n \ne m$ ($3 \times 2$, $4 \times 3$; "
         r"bridges $6 \times 5$, $8 \times 6$)",
@@ -331,7 +354,9 @@ _CORRECTIONS: list[tuple[str, str, str]] = [
 
 def _corrections() -> list[str]:
     out = [
-        "## 4. Corrections to the paper that the checks enforce (spec §14)",
+        "## 4. Corrections to the paper that the checks enforce { #derivations-corrections }",
+        "",
+        "Derived on [Corrections to the paper](corrections.md).",
         "",
         "| paper (as printed) | correct form | how the checker tests it |",
         "|---|---|---|",

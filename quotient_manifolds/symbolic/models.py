@@ -1,18 +1,18 @@
 r"""Coordinates, metrics and group actions of the geometries under test.
 
-Each model writes down, independently of the library code, what the paper and
-the spec *define*: the coordinates, the metric as a quadratic form (spec
-§5.2 Eq. 6/7, §5.3.3 Eq. 9/10, §5.4 Eq. 18) and the group action (spec §3.3,
-§3.4).  Everything else (Christoffel symbols, vertical and horizontal spaces)
-is derived from these by :mod:`quotient_manifolds.symbolic.riemann`.
+Each model writes down, independently of the library code, what the paper
+*defines*: the coordinates, the metric as a quadratic form (Eq. 6/7, Eq. 9/10,
+Eq. 18) and the group action (Def. 3.1, §5.1, App. D).  Everything else (Christoffel symbols,
+vertical and horizontal spaces) is derived from these by
+[`symbolic.riemann`][quotient_manifolds.symbolic.riemann].
 
 Coordinate order follows the library's packed tensors, so a coordinate
 vector is the ``flatten()`` of a point:
 
-* :class:`DiagonalModel`: ``(u_0 … u_{d-1}, v_0 … v_{d-1})``, i.e. rows
-  ``u``, ``v`` of a ``(2, d)`` point of ``DiagonalQuotient``;
-* :class:`GLBlock`: ``G`` row-major then ``H`` row-major, i.e. the
-  ``(n + m, h)`` point of ``GLQuotient``.
+* [`DiagonalModel`][quotient_manifolds.symbolic.models.DiagonalModel]: $(u_0 \dots u_{d-1}, v_0
+  \dots v_{d-1})$, i.e. rows ``u``, ``v`` of a ``(2, d)`` point of ``DiagonalQuotient``;
+* [`GLBlock`][quotient_manifolds.symbolic.models.GLBlock]: ``G`` row-major then ``H`` row-major,
+  i.e. the ``(n + m, h)`` point of ``GLQuotient``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import sympy as sp
 
-from ..geometry import gl
+from ..geometry import gl as _gl
 from .riemann import CoordinateMetric
 from .tensor import SymTensor
 
+# The torch kernels of `geometry`, applied here to SymTensor arguments (duck typing),
+# hence typed Any.
+gl: Any = _gl
+
+SymGrams = Any
+"""A `gl.Grams` whose fields are `SymTensor` (the torch kernels accept it by duck typing)."""
+
 __all__ = [
+    "SymGrams",
     "METRICS",
     "DiagonalModel",
     "GLBlock",
@@ -48,7 +57,7 @@ def _check_metric(metric: str) -> None:
 
 @dataclass(frozen=True)
 class DiagonalModel:
-    r"""Diagonal network ``β = u ⊙ v`` with symmetry GL(1)^d (spec §3.4b, §5.2).
+    r"""Diagonal network ``β = u ⊙ v`` with symmetry GL(1)^d (§5.1, Eq. 6/7).
 
     Parameters
     ----------
@@ -56,9 +65,9 @@ class DiagonalModel:
         Number of coordinates of ``u`` (and of ``v``).
     names : (str, str)
         Symbol names of the two factors; ``("G", "H")`` with ``d = 1`` is the
-        scalar toy of spec §3.4a.
+        scalar toy of Fig. 1 and App. D.
     convention : {"diag", "gl"}
-        ``"diag"``: ``(α ⊙ u, α⁻¹ ⊙ v)`` (spec §3.4b); ``"gl"``:
+        ``"diag"``: ``(α ⊙ u, α⁻¹ ⊙ v)`` (§5.1); ``"gl"``:
         ``(u α⁻¹, v α)``, the GL(1) form ``(G A⁻¹, H Aᵀ)`` of the toy.
     """
 
@@ -98,7 +107,7 @@ class DiagonalModel:
         return list(xu) + list(xv)
 
     def unvec(self, x: Sequence[sp.Expr]) -> tuple[list[sp.Expr], list[sp.Expr]]:
-        """Inverse of :meth:`vec`."""
+        """Inverse of [`vec`][quotient_manifolds.symbolic.models.DiagonalModel.vec]."""
         x = list(x)
         return x[: self.d], x[self.d :]
 
@@ -140,12 +149,13 @@ class DiagonalModel:
         return [s * a for a, s in zip(u, alpha)] + [a / s for a, s in zip(v, alpha)]
 
     def sym(self, values: Sequence[sp.Expr]) -> SymTensor:
-        """A ``(d,)`` :class:`SymTensor` for the library's elementwise kernels."""
+        """A ``(d,)`` [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor] for the
+        library's elementwise kernels."""
         return SymTensor(list(values))
 
 
-def code_grams(G: sp.Matrix, H: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> gl.Grams:
-    r"""The library's :class:`~quotient_manifolds.geometry.gl.Grams` for symbolic factors.
+def code_grams(G: sp.Matrix, H: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> SymGrams:
+    r"""The library's [`Grams`][quotient_manifolds.geometry.gl.Grams] for symbolic factors.
 
     ``P = GᵀG + εI``, ``Q = HᵀH + εI`` and their exact inverses ``adj/det``
     (the code computes them from a Cholesky factor).  Cholesky factors are not
@@ -158,7 +168,7 @@ def code_grams(G: sp.Matrix, H: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> gl.Grams
     return abstract_grams(P, Q, eps)
 
 
-def abstract_grams(P: sp.Matrix, Q: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> gl.Grams:
+def abstract_grams(P: sp.Matrix, Q: sp.Matrix, eps: sp.Expr = sp.S.Zero) -> SymGrams:
     """A Gram tuple from given ``P`` and ``Q`` (e.g. matrices of free symbols)."""
     values = {
         "P": SymTensor(P),
@@ -176,12 +186,12 @@ def symmetric_symbols(name: str, h: int) -> sp.Matrix:
 
 
 def scalar_toy() -> DiagonalModel:
-    r"""The scalar toy ``x ↦ GHx`` with GL(1) acting by ``(G/α, αH)`` (spec §3.4a, §5.4)."""
+    r"""The scalar toy ``x ↦ GHx`` with GL(1) acting by ``(G/α, αH)`` (Fig. 1, Eq. 18)."""
     return DiagonalModel(1, ("G", "H"), "gl")
 
 
 def adaptive_metric(eps: sp.Expr) -> tuple[sp.Symbol, CoordinateMetric]:
-    r"""One weight ``w`` with the adaptive metric ``ξ²/(w² + ε)`` (spec §6.6, §7.3)."""
+    r"""One weight ``w`` with the adaptive metric ``ξ²/(w² + ε)`` (App. F, App. C.1)."""
     w, xi = sp.symbols("w xi_w")
     q = xi**2 / (w**2 + eps)
     return w, CoordinateMetric.from_quadratic_form(q, [w], [xi], name="adaptive")
@@ -189,14 +199,14 @@ def adaptive_metric(eps: sp.Expr) -> tuple[sp.Symbol, CoordinateMetric]:
 
 @dataclass(frozen=True)
 class GLBlock:
-    r"""A GL(h) block ``(G, H)``, ``G ∈ R^{n×h}``, ``H ∈ R^{m×h}`` (spec §3.3, §5.3).
+    r"""A GL(h) block ``(G, H)``, $G \in R^{n\times h}$, $H \in R^{m\times h}$ (Def. 3.1, §5.2).
 
     Parameters
     ----------
     n, m, h : int
         Shapes of the factors.
     eps : sympy expression
-        Relaxation ``P = GᵀG + εI``, ``Q = HᵀH + εI`` (spec §5.3.1); ``0`` by
+        Relaxation ``P = GᵀG + εI``, ``Q = HᵀH + εI`` ([relaxation][eps-relaxation]); ``0`` by
         default, or a positive symbol to prove formulas for every ``ε``.
     """
 
@@ -237,12 +247,14 @@ class GLBlock:
         return list(XG) + list(XH)
 
     def unvec(self, x: Sequence[sp.Expr]) -> tuple[sp.Matrix, sp.Matrix]:
-        """Inverse of :meth:`vec`."""
+        """Inverse of [`vec`][quotient_manifolds.symbolic.models.GLBlock.vec]."""
         x = list(x)
         k = self.n * self.h
         return sp.Matrix(self.n, self.h, x[:k]), sp.Matrix(self.m, self.h, x[k:])
 
-    def grams(self, G: sp.Matrix | None = None, H: sp.Matrix | None = None):
+    def grams(
+        self, G: sp.Matrix | None = None, H: sp.Matrix | None = None
+    ) -> tuple[sp.Matrix, sp.Matrix]:
         """``P = GᵀG + εI`` and ``Q = HᵀH + εI``."""
         G = self.G if G is None else G
         H = self.H if H is None else H
@@ -289,7 +301,7 @@ class GLBlock:
         return (MG * xG.T * eG).trace() + (MH * xH.T * eH).trace()
 
     def coordinate_metric(self, metric: str) -> CoordinateMetric:
-        """Eq. 9/10 as an ``(n+m)h × (n+m)h`` SymPy matrix, ``g_{μν} = ⟨e_μ, e_ν⟩``."""
+        r"""Eq. 9/10 as an ``(n+m)h × (n+m)h`` SymPy matrix, $g_{μν} = \langle e_μ, e_ν\rangle$."""
         _check_metric(metric)
         return CoordinateMetric.from_bilinear_form(
             lambda x, y: self.metric_form(metric, self.unvec(x), self.unvec(y)),
@@ -315,8 +327,9 @@ class GLBlock:
         return self.vec(*self.act(A, *self.unvec(x)))
 
     # -- library side -------------------------------------------------------------------
-    def code_grams(self) -> gl.Grams:
-        """The library's Gram tuple at the block's own symbols (see :func:`code_grams`)."""
+    def code_grams(self) -> SymGrams:
+        """The library's Gram tuple at the block's own symbols (see
+        [`code_grams`][quotient_manifolds.symbolic.models.GLBlock.code_grams])."""
         return code_grams(self.G, self.H, self.eps)
 
     def sym(self, M: sp.Matrix) -> SymTensor:

@@ -1,22 +1,22 @@
 r"""Riemannian geometry from a metric written as a SymPy matrix in coordinates.
 
 Everything the checks compare the library against is *derived* here from the
-metric ``g_{μν}(x)`` alone (spec §6.1, §5.1):
+metric $g_{μν}(x)$ alone (App. B, App. I.2):
 
 * Christoffel symbols of the Levi-Civita connection,
 
-  .. math::
+    $$
+    Γ^λ_{μν} = \tfrac12\, g^{λσ}\,(\partial _ν g_{σμ} + \partial _μ g_{σν} - \partial _σ g_{μν});
+    $$
 
-      Γ^λ_{μν} = ½\, g^{λσ}\,(∂_ν g_{σμ} + ∂_μ g_{σν} − ∂_σ g_{μν});
-
-* the geodesic equations :math:`\ddot x^λ + Γ^λ_{μν}\dot x^μ\dot x^ν = 0`;
+* the geodesic equations $\ddot x^λ + Γ^λ_{μν}\dot x^μ\dot x^ν = 0$;
 * the vertical space of a group action, the derivative of the action at the
-  identity, :math:`\mathcal V_x = \{\partial_s ψ(\exp(sω), x)|_{s=0}\}`;
+  identity, $\mathcal V_x = \{\partial_s ψ(\exp(sω), x)|_{s=0}\}$;
 * the horizontal condition, its metric-orthogonal complement
-  :math:`g(ξ, V) = 0` for all vertical ``V``.
+  $g(ξ, V) = 0$ for all vertical ``V``.
 
 The algebra runs in the field ``QQ(x)`` of rational functions
-(:mod:`sympy.polys.fields`), where every element is a reduced fraction of
+(`sympy.polys.fields`), where every element is a reduced fraction of
 sparse polynomials: far faster than expression trees plus ``simplify``, and
 exact.  The inverse metric is computed block by block (the connected
 components of the sparsity pattern of ``g``), so a metric with ``h×h`` blocks
@@ -54,7 +54,8 @@ def _sorted_symbols(symbols: set[sp.Symbol]) -> tuple[sp.Symbol, ...]:
 
 @dataclass
 class ChristoffelSymbols:
-    r"""The symbols :math:`Γ^λ_{μν}` of a :class:`CoordinateMetric`.
+    r"""The symbols $Γ^λ_{μν}$ of a
+    [`CoordinateMetric`][quotient_manifolds.symbolic.riemann.CoordinateMetric].
 
     Attributes
     ----------
@@ -63,7 +64,7 @@ class ChristoffelSymbols:
     domain : FracField
         ``QQ(coords, parameters)``, where the entries live.
     table : dict
-        ``(λ, μ, ν) ↦ Γ^λ_{μν}`` for ``μ ≤ ν`` and nonzero symbols only.
+        $(λ, μ, ν) \mapsto Γ^λ_{μν}$ for ``μ ≤ ν`` and nonzero symbols only.
     """
 
     coords: tuple[sp.Symbol, ...]
@@ -78,7 +79,7 @@ class ChristoffelSymbols:
         return sp.S.Zero if val is None else val.as_expr()
 
     def nonzero(self) -> list[tuple[tuple[int, int, int], sp.Expr]]:
-        """``[((λ, μ, ν), Γ^λ_{μν})]`` for ``μ ≤ ν``, in index order."""
+        """$[((λ, μ, ν), Γ^λ_{μν})]$ for ``μ ≤ ν``, in index order."""
         return [(k, self.table[k].as_expr()) for k in sorted(self.table)]
 
     def as_array(self) -> sp.ImmutableDenseNDimArray:
@@ -91,7 +92,7 @@ class ChristoffelSymbols:
     def contract(
         self, xi: Sequence[sp.Expr], eta: Sequence[sp.Expr] | None = None
     ) -> list[sp.Expr]:
-        r"""The vector :math:`Γ^λ_{μν} ξ^μ η^ν` (``η = ξ`` if omitted).
+        r"""The vector $Γ^λ_{μν} ξ^μ η^ν$ (``η = ξ`` if omitted).
 
         Terms are grouped by their (reduced) denominator, so the result is a
         short sum of fractions rather than ``N²`` of them.
@@ -109,7 +110,7 @@ class ChristoffelSymbols:
 
 
 class CoordinateMetric:
-    r"""A metric ``g_{μν}(x)`` given as a symmetric SymPy matrix.
+    r"""A metric $g_{μν}(x)$ given as a symmetric SymPy matrix.
 
     Parameters
     ----------
@@ -142,7 +143,8 @@ class CoordinateMetric:
         velocities: Sequence[sp.Symbol],
         name: str = "g",
     ) -> CoordinateMetric:
-        r"""``g_{μν} = ½ ∂²q / ∂ξ^μ ∂ξ^ν`` from the quadratic form ``q(x, ξ) = ⟨ξ, ξ⟩_x``."""
+        r"""$g_{μν} = \tfrac12 \partial ^{2}q / \partial ξ^μ \partial ξ^ν$ from the quadratic
+        form ``q(x, ξ) = ⟨ξ, ξ⟩_x``."""
         return cls(sp.hessian(q, list(velocities)) / 2, coords, name)
 
     @classmethod
@@ -152,10 +154,11 @@ class CoordinateMetric:
         coords: Sequence[sp.Symbol],
         name: str = "g",
     ) -> CoordinateMetric:
-        r"""``g_{μν} = ⟨e_μ, e_ν⟩`` from a bilinear form on coordinate vectors.
+        r"""$g_{μν} = \langle e_μ, e_ν\rangle$ from a bilinear form on coordinate vectors.
 
-        Equivalent to :meth:`from_quadratic_form` but never differentiates:
-        much faster for large metrics with rational entries.
+        Equivalent to
+        [`from_quadratic_form`][quotient_manifolds.symbolic.riemann.CoordinateMetric.from_quadratic_form]
+        but never differentiates: much faster for large metrics with rational entries.
         """
         n = len(coords)
         basis = [[sp.S.One if k == i else sp.S.Zero for k in range(n)] for i in range(n)]
@@ -181,7 +184,7 @@ class CoordinateMetric:
         return [[K.from_sympy(self.matrix[i, j]) for j in range(n)] for i in range(n)]
 
     def __call__(self, xi: Sequence[sp.Expr], eta: Sequence[sp.Expr] | None = None) -> sp.Expr:
-        """``g(ξ, η) = ξ^μ g_{μν} η^ν``."""
+        """$g(ξ, η) = ξ^μ g_{μν} η^ν$."""
         eta = xi if eta is None else eta
         return (sp.Matrix(list(xi)).T * self.matrix * sp.Matrix(list(eta)))[0, 0]
 
@@ -221,12 +224,13 @@ class CoordinateMetric:
         return inv
 
     def inverse(self) -> sp.Matrix:
-        """The inverse metric ``g^{λσ}`` (block-wise exact inverse)."""
+        """The inverse metric $g^{λσ}$ (block-wise exact inverse)."""
         n = len(self.coords)
         return sp.Matrix(n, n, lambda i, j: self._ginv[i][j].as_expr())
 
     def christoffel(self) -> ChristoffelSymbols:
-        r"""Christoffel symbols ``Γ^λ_{μν} = ½ g^{λσ}(∂_ν g_{σμ} + ∂_μ g_{σν} − ∂_σ g_{μν})``."""
+        r"""Christoffel symbols $Γ^λ_{μν} = \tfrac12 g^{λσ}(\partial _ν g_{σμ} + \partial _μ
+        g_{σν} - \partial _σ g_{μν})$."""
         return self._christoffel
 
     @cached_property
@@ -240,9 +244,9 @@ class CoordinateMetric:
         dg: dict[tuple[int, int, int], FracElement] = {}
         for c in range(n):
             for i, j in nz:
-                d = g[i][j].diff(gens[c])
-                if d != 0:
-                    dg[c, i, j] = dg[c, j, i] = d
+                dgij = g[i][j].diff(gens[c])
+                if dgij != 0:
+                    dg[c, i, j] = dg[c, j, i] = dgij
 
         def d(c: int, i: int, j: int) -> FracElement:
             return dg.get((c, i, j), K.zero)
@@ -271,7 +275,7 @@ class CoordinateMetric:
         return ChristoffelSymbols(self.coords, K, table)
 
     def geodesic_equations(self, t: sp.Symbol | None = None) -> list[sp.Eq]:
-        r"""``[ẍ^λ + Γ^λ_{μν} ẋ^μ ẋ^ν = 0]`` with ``x^λ = x^λ(t)`` as SymPy functions."""
+        r"""$[ẍ^λ + Γ^λ_{μν} ẋ^μ ẋ^ν = 0]$ with ``x^λ = x^λ(t)`` as SymPy functions."""
         t = sp.Symbol("t") if t is None else t
         curve = [sp.Function(c.name)(t) for c in self.coords]
         vel = [sp.Dummy(f"d{c.name}") for c in self.coords]
@@ -281,7 +285,7 @@ class CoordinateMetric:
         return [sp.Eq(c.diff(t, 2) + gm.xreplace(sub), 0) for c, gm in zip(curve, gam)]
 
     def geodesic_residual(self, curve: Sequence[sp.Expr], t: sp.Symbol) -> list[sp.Expr]:
-        r"""``γ̈^λ + Γ^λ_{μν}(γ) γ̇^μ γ̇^ν`` for an explicit curve ``γ(t)``; zero iff geodesic."""
+        r"""$γ̈^λ + Γ^λ_{μν}(γ) γ̇^μ γ̇^ν$ for an explicit curve ``γ(t)``; zero iff geodesic."""
         vel = [sp.Dummy(f"d{c.name}") for c in self.coords]
         gam = self.christoffel().contract(vel)
         sub = dict(zip(self.coords, curve))
@@ -333,7 +337,8 @@ def linear_form_matrix(forms: Sequence[sp.Expr], xi: Sequence[sp.Symbol]) -> sp.
 
 @dataclass(frozen=True)
 class SpanRelation:
-    """Result of :func:`span_relation`: ``W = V K`` and whether ``K`` is invertible."""
+    """Result of [`span_relation`][quotient_manifolds.symbolic.riemann.span_relation]:
+    ``W = V K`` and whether ``K`` is invertible."""
 
     K: sp.Matrix
     test: ZeroTest

@@ -1,14 +1,13 @@
 r"""A tiny tensor type that lets the library's torch kernels run on SymPy expressions.
 
-The kernels in :mod:`quotient_manifolds.geometry.gl` and
-:mod:`quotient_manifolds.geometry.diagonal` only use ``@``, ``+``, ``-``,
+The kernels in [`geometry.gl`][quotient_manifolds.geometry.gl] and
+[`geometry.diagonal`][quotient_manifolds.geometry.diagonal] only use ``@``, ``+``, ``-``,
 ``*``, ``/``, ``**``, ``x.transpose(-1, -2)``, ``x.unsqueeze(d)``,
-``x.sum(dims)``, ``x.to(dtype)`` and ``x.dtype``.  :class:`SymTensor`
-implements exactly these on a NumPy object array of SymPy expressions, with
-torch semantics (elementwise ``*``, broadcasting, matrix product ``@``).
-Calling a kernel with :class:`SymTensor` arguments therefore evaluates *the
-code itself* symbolically, not a transcription of it (spec §5, §6: the
-formulas under test).
+``x.sum(dims)``, ``x.to(dtype)`` and ``x.dtype``.
+[`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor] implements exactly these on a NumPy
+object array of SymPy expressions, with torch semantics (elementwise ``*``, broadcasting, matrix
+product ``@``). Calling a kernel with [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor]
+arguments therefore evaluates *the code itself* symbolically, not a transcription of it.
 
 Python floats met on the way (``0.5 * …``) are turned into exact rationals,
 so no floating-point coefficient ever enters a symbolic proof.
@@ -166,14 +165,16 @@ class SymTensor:
 
 
 def scalar(value: Any) -> sp.Expr:
-    """A SymPy expression from a one-element :class:`SymTensor` or an expression."""
+    """A SymPy expression from a one-element
+    [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor] or an expression."""
     if isinstance(value, SymTensor):
         return value.item()
     return sp.sympify(value)
 
 
 def as_sym(value: Any) -> SymTensor:
-    """Wrap a matrix, sequence or :class:`SymTensor` as a :class:`SymTensor`."""
+    """Wrap a matrix, sequence or [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor] as
+    a [`SymTensor`][quotient_manifolds.symbolic.tensor.SymTensor]."""
     if isinstance(value, SymTensor):
         return value
     if isinstance(value, sp.MatrixBase):
