@@ -14,7 +14,7 @@ Protocol, fixed here before any τ was computed:
   ``10⁵`` steps; members that do not get there (or diverge) are dropped and counted.
 * **Gap** = test loss ``‖X_test β − y_test‖²/(2·1000)`` (train loss is ≈ 0).
 * **Measures** on the whole training set (one batch), same loss convention, by
-  :func:`quotient_manifolds.sharpness.diagonal.diagonal_sharpness`: worst case by
+  `quotient_manifolds.sharpness.diagonal.diagonal_sharpness`: worst case by
   batched Auto-PGD, 100 iterations, zero start + 3 random starts; average case over
   100 Gaussian draws; the random starts and draws of a member come from its own generator
   (seeded with its training seed), so its values do not depend on which members are measured

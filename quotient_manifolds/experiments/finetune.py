@@ -4,20 +4,20 @@ The fine-tuned populations (`minilm-finetune`, `vit-finetune`) train every membe
 training loss has plateaued on its own (possibly noisy) labels, by one rule fixed in code
 before any sharpness was measured:
 
-* the member trains at least its sampled number of epochs $E$;
-* from epoch $E - k$ on, the full training set is evaluated after every epoch (eval mode,
-  the member's own fitted labels, the member's own training objective, i.e. cross-entropy
-  with its label smoothing): loss $L_e$ and accuracy $a_e$;
-* the member is **converged** at the first epoch $e \ge E$ with
-  $a_e \ge$ `min_acc` and
-  $$
-  L_{e-k} - L_e \le \text{abs\_tol} + \text{rel\_tol}\, L_{e-k},
-  $$
-  i.e. the loss fell by less than a small absolute amount plus a fraction of itself over the
-  last $k$ epochs (a plateau), with (almost) every training label fitted;
-* training continues epoch by epoch until the rule is met, up to `max_epochs`; a member that
-  never meets it is kept on disk with `converged = false` and is reported, never silently
-  used.
+the member trains at least its sampled number of epochs $E$; from epoch $E - k$ on, the full
+training set is evaluated after every epoch (eval mode, the member's own fitted labels, the
+member's own training objective, i.e. cross-entropy with its label smoothing), giving the loss
+$L_e$ and the accuracy $a_e$. The member is **converged** at the first epoch $e \ge E$ with
+$a_e \ge a_{\min}$ (`min_acc`) and
+
+$$
+L_{e-k} - L_e \le \epsilon_{\text{abs}} + \epsilon_{\text{rel}}\, L_{e-k}
+$$
+
+(`abs_tol`, `rel_tol`): the loss fell by less than a small absolute amount plus a fraction of
+itself over the last $k$ epochs (a plateau), with (almost) every training label fitted.
+Training continues epoch by epoch until the rule is met, up to `max_epochs`; a member that
+never meets it is kept on disk with `converged = false` and is reported, never silently used.
 
 Every member's record holds the evidence: the evaluated epochs with their $(L_e, a_e)$, the
 epoch at which the rule was met, and the rule itself.
@@ -34,12 +34,14 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from .store import PopulationStore
 from .template import Member, PopulationExperiment
 
 __all__ = ["FinetuneExperiment", "PlateauRule", "lr_factor", "train_to_convergence"]
@@ -191,27 +193,28 @@ class FinetuneExperiment(PopulationExperiment):
     seed: int = 0
     params_doc: str = "every parameter"
 
-    def params(self, quick: bool):
+    def params(self, quick: bool) -> Callable[[str, torch.Tensor], bool] | None:
         """Predicate `(name, param) -> bool` of the perturbed weights (None: all)."""
         return None
 
-    def build(self, ctx, member: Member, state, quick: bool) -> nn.Module:
+    def build(self, ctx: Any, member: Member, state: Mapping[str, torch.Tensor],
+              quick: bool) -> nn.Module:
         raise NotImplementedError
 
-    def batches(self, ctx, member: Member, quick: bool) -> list:
+    def batches(self, ctx: Any, member: Member, quick: bool) -> list:
         raise NotImplementedError
 
     def batches_doc(self, quick: bool) -> str:
         raise NotImplementedError
 
     @staticmethod
-    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
         raise NotImplementedError
 
-    def keep(self, member, quick):
+    def keep(self, member: Member, quick: bool) -> bool:
         return bool(member.meta["converged"])
 
-    def measure_protocol(self, quick):
+    def measure_protocol(self, quick: bool) -> dict:
         from .sharpness_suite import (
             CALIBRATION_MEASURES,
             CALIBRATION_TARGET,
@@ -228,7 +231,8 @@ class FinetuneExperiment(PopulationExperiment):
                 "dtype": "float64" if self.float64 else "float32",
                 "batches": self.batches_doc(quick), "params": self.params_doc}
 
-    def _model(self, ctx, store, member, quick):
+    def _model(self, ctx: Any, store: PopulationStore, member: Member,
+               quick: bool) -> nn.Module:
         """The member's model; weights outside `params` become buffers when the measure
         table cannot take a `params=` selection (then nothing else is perturbed either)."""
         from .sharpness_suite import params_applied
@@ -245,7 +249,8 @@ class FinetuneExperiment(PopulationExperiment):
                         mod.register_buffer(n, p.detach())
         return model
 
-    def calibration(self, ctx, store, members, mhash, quick) -> dict:
+    def calibration(self, ctx: Any, store: PopulationStore, members: Sequence[Member],
+                    mhash: str, quick: bool) -> dict:
         """The calibrated radii (computed once on the first converged member, then cached)."""
         import json
 
@@ -271,7 +276,8 @@ class FinetuneExperiment(PopulationExperiment):
         atomic_write_text(path, json.dumps({"member": m.id, "calibration": cal}, indent=1))
         return cal
 
-    def measure(self, ctx, store, members, mhash, quick, progress):
+    def measure(self, ctx: Any, store: PopulationStore, members: Sequence[Member], mhash: str,
+                quick: bool, progress: bool) -> None:
         import sys
 
         from tqdm.auto import tqdm
@@ -301,7 +307,8 @@ class FinetuneExperiment(PopulationExperiment):
         """The population's description for `results.json` (sampler, grid)."""
         raise NotImplementedError
 
-    def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
+    def finish(self, ctx: Any, store: PopulationStore, members: Sequence[Member],
+               dropped: Sequence[Member], *, mhash: str, quick: bool, t_start: float) -> dict:
         import time
 
         from .sharpness_suite import finish_sweep, params_applied

@@ -7,13 +7,13 @@ LayerNorm-free transformer in the style of Nanda et al. (2023):
 * token and learned position embeddings, ``d = 64``;
 * attention with 4 heads of ``d_h = 16`` and **no biases**, written with separate
   ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections, so that
-  :func:`~quotient_manifolds.discover_blocks` finds the exact per-head GL(16) symmetries
+  `discover_blocks` finds the exact per-head GL(16) symmetries
   (one Q/K and one V/O block per head: ``softmax(X W_qᵢ (X W_kᵢ)ᵀ/√d_h) X W_vᵢ W_oᵢ``
   only depends on the products :math:`W_{q,i} W_{k,i}^\top` and :math:`W_{v,i} W_{o,i}`);
 * residual MLP of width ``4d`` with ReLU, untied unembedding;
 * full-batch AdamW, learning rate 3e-3, β = (0.9, 0.98), float32.
 
-**Population** (16 members, drawn by :func:`sample_population` with a fixed seed): weight
+**Population** (16 members, drawn by `sample_population` with a fixed seed): weight
 decay ∈ {0.1, 0.3, 1.0}, train fraction ∈ {0.3, 0.4, 0.5, 0.6}, p ∈ {43, 59}, the step
 budget ∈ {800, 1200, 1600} (short budgets leave members mid-transition, so that the test
 error is not bimodal; spec §9) and the seed (initialisation and train/test split).
@@ -22,8 +22,8 @@ error is not bimodal; spec §9) and the seed (initialisation and train/test spli
 τ (spec §6: fixed budget plus a filter). The gap is the test error (train error is 0 for
 every kept member); τ against the test cross-entropy is reported as a second gap under
 ``results["vs_test_loss"]``. Sharpness is measured on the full training set (one batch), in
-float64, with the suite of :mod:`~quotient_manifolds.experiments.sharpness_suite` at the
-radii :data:`RHO` (fixed before any τ was computed).
+float64, with the suite of `sharpness_suite` at the
+radii `RHO` (fixed before any τ was computed).
 """
 
 from __future__ import annotations
@@ -290,6 +290,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     Returns
     -------
     dict
-        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+        The ``results.json`` content (schema in `quotient_manifolds.experiments.report`).
     """
     return EXPERIMENT.run(out, quick=quick, progress=progress)

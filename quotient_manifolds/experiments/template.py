@@ -108,7 +108,7 @@ class PopulationExperiment:
             ctx = self.prepare(store, quick)
         hypers = self.hypers(quick)
         ids = self.member_ids(hypers, self.training(quick))
-        store.train_missing(ids, hypers, lambda h: self.train(ctx, h, quick),
+        store.train_missing(ids, hypers, lambda h: self.train(ctx, dict(h), quick),
                             desc=f"{self.name}: train", progress=progress)
         members = [Member(mid, h, store.load_meta(mid)) for mid, h in zip(ids, hypers)]
         return store, members, ctx

@@ -9,11 +9,11 @@ shared by every member; a member trains on the first ``train_size`` images of th
 position embeddings, 2 pre-LayerNorm blocks with 4 heads of ``d_h = 8`` and a GELU MLP of
 width ``2d``, final LayerNorm and a linear head on the CLS token. The attention uses separate
 ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections (with biases), so that
-:func:`~quotient_manifolds.discover_blocks` finds 4 Q/K and 4 V/O GL(8) blocks per layer (the
+`discover_blocks` finds 4 Q/K and 4 V/O GL(8) blocks per layer (the
 bias rows of q/k/v are appended to the factors, spec §3.4; the pre-attention LayerNorm acts
 on the input and does not break the symmetry).
 
-**Population** (30 members, drawn by :func:`sample_population` with a fixed seed): AdamW
+**Population** (30 members, drawn by `sample_population` with a fixed seed): AdamW
 learning rate log-uniform in [3e-4, 3e-3], weight decay ∈ {0, 0.05, 0.3}, epochs ∈ {20, 40,
 80}, label smoothing ∈ {0, 0.1}, augmentation by random shifts of up to one pixel (on or
 off), label noise ∈ {0, 0.1, 0.2} (a fraction of the training labels replaced by a different
@@ -23,8 +23,8 @@ random class, fixed per member), train size ∈ {300, 600, 1000} and the seed. B
 noisy labels the member was fitted to. **Sharpness** is measured on the same 256 training
 images for every member (the first 256 of the pool, which every train set contains), as two
 batches of 128, with each member's own fitted labels and the plain cross-entropy (no label
-smoothing), in float64, with the suite of :mod:`~quotient_manifolds.experiments.sharpness_suite`
-at the radii :data:`RHO` (fixed before any τ was computed).
+smoothing), in float64, with the suite of `sharpness_suite`
+at the radii `RHO` (fixed before any τ was computed).
 """
 
 from __future__ import annotations
@@ -324,6 +324,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     Returns
     -------
     dict
-        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+        The ``results.json`` content (schema in `quotient_manifolds.experiments.report`).
     """
     return EXPERIMENT.run(out, quick=quick, progress=progress)

