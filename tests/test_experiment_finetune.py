@@ -271,3 +271,21 @@ def test_minilm_finetune_quick(tmp_path):
 
     res = minilm_finetune.run(tmp_path, quick=True, progress=False)
     _check_sweep_results(res, tmp_path, "minilm-finetune")
+
+
+def test_average_case_retries_on_a_float64_copy(fake_table):
+    """An average-case call that fails on a float32 model is repeated once in float64."""
+    class Picky(_FakeMeasure):
+        def run(self, model, loss_fn, data, **kw):
+            if next(model.parameters()).dtype != torch.float64:
+                raise RuntimeError("expected scalar type Double but found Float")
+            return super().run(model, loss_fn, data, **kw)
+
+    fake_table["geodesic-inv-average"] = Picky(10.0, "average")
+    model = torch.nn.Linear(4, 2).float()
+    v = suite.measure_sweep(model, None, [torch.ones(1, 4)], radii={"adaptive": [1.0],
+                            "inv": [0.1], "mix": [0.01]}, n_iter=1, seed=0, cached={},
+                            save=lambda d: None)
+    assert v["geodesic_inv_average"]["0.1"] == pytest.approx(10.0 * (0.1 / math.sqrt(10)) ** 2)
+    assert "Double" in v["_float64_retry"]["geodesic_inv_average"]
+    assert next(model.parameters()).dtype == torch.float32  # the caller's model is untouched

@@ -436,7 +436,9 @@ def measure_sweep(
     r"""Every measure of `names` at every radius of its norm family, cached and resumable.
 
     Worst-case measures are called with the radius ρ; average-case ones with $ρ/\sqrt{D}$
-    ($D$ = number of perturbed weights), so that $E‖ξ‖^2 = ρ^2$ (module docstring). Each
+    ($D$ = number of perturbed weights), so that $E‖ξ‖^2 = ρ^2$ (module docstring). An
+    average-case call that fails on a float32 model is retried once on a float64 copy (the
+    reason is kept under `values["_float64_retry"][name]`). Each
     value is stored under `values[name][repr(ρ)]`; the result's norm split (GL blocks /
     adaptive part / total, per batch) under `values["_norms"][name][repr(ρ)]`; a failed call
     is NaN with its error under `values["_errors"][name]` (retried on the next run); a
@@ -447,6 +449,8 @@ def measure_sweep(
     m = copy.deepcopy(model).double() if float64 else model
     data = [_to64(b) for b in batches] if float64 else list(batches)
     n_weights = perturbed_count(m, params)
+    m64: nn.Module | None = None
+    data64: list = []
     unavailable = []
     for name in names:
         tname, fam = SWEEP_MEASURES[name]
@@ -465,8 +469,20 @@ def measure_sweep(
                 continue
             r_call = r / math.sqrt(n_weights) if measure.kind == "average" else r
             try:
-                res = _run_measure(measure, m, loss_fn, data, rho=r_call, n_iter=n_iter,
-                                   seed=seed, params=params)
+                try:
+                    res = _run_measure(measure, m, loss_fn, data, rho=r_call, n_iter=n_iter,
+                                       seed=seed, params=params)
+                except (QuotientManifoldError, RuntimeError) as e:
+                    # Gaussian samples of the average case have failed on float32 models
+                    # (float32 draws against float64 factors): one retry on a float64 copy
+                    if float64 or measure.kind != "average":
+                        raise
+                    if m64 is None:
+                        m64 = copy.deepcopy(model).double()
+                        data64 = [_to64(b) for b in batches]
+                    res = _run_measure(measure, m64, loss_fn, data64, rho=r_call,
+                                       n_iter=n_iter, seed=seed, params=params)
+                    values.setdefault("_float64_retry", {})[name] = f"{type(e).__name__}: {e}"
                 val = float(res.value)
                 values.setdefault("_norms", {}).setdefault(name, {})[key] = res.norms
                 values.get("_errors", {}).pop(name, None)
