@@ -530,8 +530,9 @@ def finish_sweep(
     * `conditional`: the hyperparameter with the largest |τ| against the gap (`on`) and, per
       measure, τ within its strata
       ([`conditional_tau`][quotient_manifolds.experiments.stats.conditional_tau]);
-    * `budget_split`: per geodesic measure, the share of the squared perturbation norm on the
-      GL blocks at the headline ρ, per member, its range, and its τ against the gap;
+    * `budget_split`: per worst-case geodesic measure, the share of the squared norm of the
+      maximising perturbation on the GL blocks at the headline ρ, per member, its range, and
+      its τ against the gap;
     * `calibration` and `radii`.
     """
     from .report import scatter_figure, summarize, tau_rho_figure
@@ -576,7 +577,7 @@ def finish_sweep(
         if strongest is not None:
             res["conditional"]["measures"][name] = conditional_tau(
                 xs, gaps, [h.get(strongest) for h in hypers])
-        if name.startswith("geodesic"):
+        if name.startswith("geodesic") and "average" not in name:  # a maximiser's split
             fr = [block_fraction(m["measures_norms"].get(name, {}).get(key))
                   if "measures_norms" in m else math.nan for m in members]
             ok = [f for f in fr if math.isfinite(f)]
