@@ -289,3 +289,12 @@ def test_average_case_retries_on_a_float64_copy(fake_table):
     assert v["geodesic_inv_average"]["0.1"] == pytest.approx(10.0 * (0.1 / math.sqrt(10)) ** 2)
     assert "Double" in v["_float64_retry"]["geodesic_inv_average"]
     assert next(model.parameters()).dtype == torch.float32  # the caller's model is untouched
+
+
+def test_at_minimum_count():
+    from quotient_manifolds.experiments.template import at_minimum
+
+    recs = [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    got = at_minimum(recs, {"a": 1.0, "b": 0.985, "c": 0.99})
+    assert got["ids"] == ["a", "c"] and got["n"] == 2 and got["of"] == 3
+    assert "0.99" in got["rule"]

@@ -49,7 +49,7 @@ from .sharpness_suite import (
     measure_member,
     measure_tasks,
 )
-from .template import Member, PopulationExperiment
+from .template import Member, PopulationExperiment, at_minimum
 
 __all__ = [
     "NAME",
@@ -264,6 +264,8 @@ class GrokkingExperiment(PopulationExperiment):
             NAME, out_dir, records, gap_name="test error", rho=RHO, settings=settings,
             second_gap=("test loss (cross-entropy)", "test_loss"),
             extra={"dropped": dropped_recs, "n_dropped": len(dropped_recs),
+                   "at_minimum": at_minimum(records + dropped_recs, {
+                       m.id: m.meta["train_acc"] for m in [*members, *dropped]}),
                    "train_time_s_total": sum(store.load_meta(i)["train_time_s"] for i in ids)},
             n_boot=200 if quick else 2000)
         res["figures"] = res["figures"] + [p.name for p in figs_extra]

@@ -79,7 +79,7 @@ from ..errors import SymmetryFallbackWarning
 from .modules import seeded
 from .sharpness_suite import MEASURES, finish_population, measure_member
 from .store import PopulationStore, protocol_hash
-from .template import PopulationExperiment
+from .template import PopulationExperiment, at_minimum
 
 __all__ = [
     "NAME",
@@ -565,6 +565,8 @@ class LoraMinilmExperiment(PopulationExperiment):
                 settings={**settings, "passes_done": p + 1},
                 second_gap=("test CE − train CE", "loss_gap"),
                 extra={"run_time_s": time.perf_counter() - ctx["t_start"],
+                       "at_minimum": at_minimum(records, {
+                           m.id: 1.0 - m.meta["train_error"] for m in members}),
                        "errors": {m.id: caches[m.id].get("_errors", {}) for m in members}},
                 n_boot=200 if quick else 2000)
 

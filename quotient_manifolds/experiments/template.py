@@ -35,7 +35,24 @@ import torch
 
 from .store import PopulationStore, protocol_hash
 
-__all__ = ["Member", "PopulationExperiment"]
+__all__ = ["AT_MINIMUM_ACC", "Member", "PopulationExperiment", "at_minimum"]
+
+#: the accuracy half of the fine-tuned populations' plateau rule, the part that can be checked
+#: on populations trained without a per-epoch history
+AT_MINIMUM_ACC = 0.99
+
+
+def at_minimum(records: Sequence[Mapping], train_acc: Mapping[str, float]) -> dict:
+    """Which members are at a minimum by the stated rule: training accuracy on their own
+    (fitted) labels ≥ `AT_MINIMUM_ACC`. `train_acc` maps a member id to that accuracy.
+
+    A τ on members that are not at a minimum says little about the sharpness of minima (away
+    from a minimum the worst-case increase is dominated by the first-order term), so it is
+    not read as evidence either way; this count says how much of a population it concerns.
+    """
+    ids = [str(r["id"]) for r in records if train_acc[str(r["id"])] >= AT_MINIMUM_ACC]
+    return {"rule": f"train accuracy on own labels >= {AT_MINIMUM_ACC}", "n": len(ids),
+            "of": len(records), "ids": ids}
 
 
 @dataclass

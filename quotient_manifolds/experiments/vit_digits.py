@@ -49,7 +49,7 @@ from .sharpness_suite import (
     measure_member,
     measure_tasks,
 )
-from .template import PopulationExperiment
+from .template import PopulationExperiment, at_minimum
 
 __all__ = [
     "NAME",
@@ -301,7 +301,9 @@ class VitDigitsExperiment(PopulationExperiment):
         return finish_population(
             NAME, store.dir, records, gap_name="test error - train error", rho=RHO,
             settings=settings, second_gap=("test loss - train loss", "loss_gap"),
-            extra={"train_time_s_total": sum(m.meta["train_time_s"] for m in members)},
+            extra={"train_time_s_total": sum(m.meta["train_time_s"] for m in members),
+                   "at_minimum": at_minimum(records, {m.id: m.meta["train_acc"]
+                                                      for m in members})},
             n_boot=200 if quick else 2000)
 
 
