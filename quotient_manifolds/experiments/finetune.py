@@ -44,7 +44,8 @@ from torch import nn
 from .store import PopulationStore
 from .template import Member, PopulationExperiment
 
-__all__ = ["FinetuneExperiment", "PlateauRule", "lr_factor", "train_to_convergence"]
+__all__ = ["FinetuneExperiment", "PlateauRule", "convergence_table", "lr_factor",
+           "train_to_convergence"]
 
 
 @dataclass(frozen=True)
@@ -346,3 +347,31 @@ class FinetuneExperiment(PopulationExperiment):
                             calibration=ctx.get("calibration", {}), settings=settings,
                             second_gap=("test CE − train CE", "loss_gap"), extra=extra,
                             n_boot=200 if quick else 2000)
+
+
+def convergence_table(out: str, name: str) -> str:
+    """A Markdown table of the trained members of population `name` under `out` (docs pages):
+    hyperparameters, epochs run, the last evaluated epochs `(L_e, a_e)`, train/test accuracy,
+    gap and training time, in member order."""
+    import json
+    from pathlib import Path
+
+    rows = []
+    for f in sorted((Path(out) / name / "members").glob("m*.json")):
+        m = json.loads(f.read_text())
+        h = m["hyper"]
+        keys = [k for k in h if k != "seed"]
+        last = " ".join(f"({e['epoch']}: {e['loss']:.3g}, {e['acc']:.3f})"
+                        for e in m["history"][-3:])
+        rows.append([f.stem.split("-")[0]] + [f"{h[k]:.2g}" if isinstance(h[k], float)
+                                              else str(h[k]) for k in keys]
+                    + [str(m["epochs_run"]) + ("" if m["converged"] else " (not converged)"),
+                       last, f"{m['train_acc']:.3f}", f"{m['test_acc']:.3f}",
+                       f"{m['gap']:+.3f}", f"{m['train_s']:.0f}"])
+    if not rows:
+        return ""
+    head = ["member", *keys, "epochs run", "last evaluated epochs (loss, acc)", "train acc",
+            "test acc", "gap", "train s (wall)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
