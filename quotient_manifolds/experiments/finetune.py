@@ -44,8 +44,8 @@ from torch import nn
 from .store import PopulationStore
 from .template import Member, PopulationExperiment
 
-__all__ = ["FinetuneExperiment", "PlateauRule", "convergence_table", "lr_factor",
-           "train_to_convergence"]
+__all__ = ["DesignPoint", "FinetuneExperiment", "PlateauRule", "convergence_table",
+           "lr_factor", "ofat_alternates", "ofat_design", "train_to_convergence"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +167,101 @@ def train_to_convergence(
             "train_s": time.perf_counter() - t0}
 
 
+# -- the one-factor-at-a-time design -------------------------------------------------------
+@dataclass(frozen=True)
+class DesignPoint:
+    """One member of a population design.
+
+    Attributes
+    ----------
+    label : str
+        The prefix of the member's id: `m<index>` for a base or an extra member (the index
+        of its draw from the population's sampler), `<base>_<axis><k>` for an alternate.
+    hyper : dict
+        The member's hyperparameters (with its `seed`).
+    base : str or None
+        The label of the base member whose one-factor-at-a-time groups it belongs to (its
+        own label for a base); None for an extra member, which belongs to no group.
+    axis : str or None
+        The one hyperparameter in which an alternate differs from its base; None for a base
+        or an extra member.
+    """
+
+    label: str
+    hyper: dict
+    base: str | None = None
+    axis: str | None = None
+
+    def to_dict(self) -> dict:
+        """`{"label", "base", "axis"}` (the member's place in the design, for results)."""
+        return {"label": self.label, "base": self.base, "axis": self.axis}
+
+
+def ofat_alternates(value: Any, levels: Sequence, *, log: bool = False) -> list:
+    r"""The levels of one axis that an alternate of a base with `value` takes.
+
+    Every level except the one nearest to `value` (in $\log$ if `log`; ties go to the first
+    level), in the order of `levels`. A discrete axis whose levels contain `value` gets all
+    the other levels; a continuous axis (e.g. the learning rate, levels at the ends and the
+    geometric middle of its sampled range) gets the two levels farthest from the base.
+    """
+    def dist(a: Any) -> float:
+        if log:
+            return abs(math.log(float(a)) - math.log(float(value)))
+        return abs(float(a) - float(value))
+
+    near = min(range(len(levels)), key=lambda i: (dist(levels[i]), i))
+    return [v for i, v in enumerate(levels) if i != near]
+
+
+def ofat_design(
+    bases: Sequence[tuple[str, dict]],
+    levels: Mapping[str, Sequence],
+    *,
+    log_axes: Sequence[str] = ("lr",),
+    n_seeds: int = 2,
+    seed_offset: int = 1000,
+    extras: Sequence[tuple[str, dict]] = (),
+) -> list[DesignPoint]:
+    r"""A one-factor-at-a-time design: groups of members that differ in one hyperparameter.
+
+    The granulated τ of Jiang et al. (2020) averages, per hyperparameter axis, the τ inside
+    groups of members that differ *only* in that axis; independently sampled
+    hyperparameters give no such groups. Here each base member (`(label, hyper)`) gets, for
+    every axis of `levels`, alternates that copy the base and change only that axis to each
+    level of [`ofat_alternates`][quotient_manifolds.experiments.finetune.ofat_alternates]
+    (an axis in `log_axes` is compared in log scale), and `n_seeds` alternates that change
+    only the seed (to `seed + seed_offset * k`, k = 1 … `n_seeds`). The base and its
+    alternates along axis $i$ form one group of axis $i$. `extras` are further members
+    (e.g. ones trained before the design) that belong to no group.
+
+    Returns
+    -------
+    list of DesignPoint
+        Per base: the base, then its alternates axis by axis (labels
+        `<base>_<axis><k>`, k from 1); then the extras. Deterministic.
+    """
+    out: list[DesignPoint] = []
+    for label, base in bases:
+        out.append(DesignPoint(label, dict(base), label, None))
+        for axis, lv in levels.items():
+            if axis not in base:
+                raise KeyError(f"axis {axis!r} is not a hyperparameter of base {label!r} "
+                               f"({sorted(base)})")
+            for k, v in enumerate(ofat_alternates(base[axis], lv, log=axis in log_axes), 1):
+                v = float(v) if isinstance(base[axis], float) else int(v)
+                out.append(DesignPoint(f"{label}_{axis}{k}", {**base, axis: v}, label, axis))
+        for k in range(1, n_seeds + 1):
+            out.append(DesignPoint(f"{label}_seed{k}",
+                                   {**base, "seed": int(base["seed"]) + seed_offset * k},
+                                   label, "seed"))
+    out += [DesignPoint(label, dict(h)) for label, h in extras]
+    labels = [p.label for p in out]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"duplicate labels in the design: {labels}")
+    return out
+
+
 # -- the population template of the fine-tuned populations -----------------------------------
 class FinetuneExperiment(PopulationExperiment):
     r"""A converged fine-tuned population measured over a ρ sweep.
@@ -193,6 +288,17 @@ class FinetuneExperiment(PopulationExperiment):
     float64: bool = False
     seed: int = 0
     params_doc: str = "every parameter"
+
+    def design(self, quick: bool) -> list[DesignPoint]:
+        """The population's members, in training order (an
+        [`ofat_design`][quotient_manifolds.experiments.finetune.ofat_design]); fixed in code."""
+        raise NotImplementedError
+
+    def hypers(self, quick: bool) -> list[dict]:
+        return [p.hyper for p in self.design(quick)]
+
+    def labels(self, quick: bool) -> list[str]:
+        return [p.label for p in self.design(quick)]
 
     def params(self, quick: bool) -> Callable[[str, torch.Tensor], bool] | None:
         """Predicate `(name, param) -> bool` of the perturbed weights (None: all)."""
@@ -308,16 +414,33 @@ class FinetuneExperiment(PopulationExperiment):
         """The population's description for `results.json` (sampler, grid)."""
         raise NotImplementedError
 
+    def design_doc(self, quick: bool) -> dict:
+        """The design for `results.json`: its rule, the OFAT axes and levels, and the labels
+        of the bases, alternates and extras."""
+        pts = self.design(quick)
+        return {"kind": "one factor at a time around base members",
+                "axes": sorted({p.axis for p in pts if p.axis is not None}),
+                "bases": [p.label for p in pts if p.base == p.label],
+                "extras": [p.label for p in pts if p.base is None],
+                "n_members": len(pts), **self.design_rule(quick)}
+
+    def design_rule(self, quick: bool) -> dict:
+        """How the design was made (levels, seeds, where the bases come from)."""
+        return {}
+
     def finish(self, ctx: Any, store: PopulationStore, members: Sequence[Member],
                dropped: Sequence[Member], *, mhash: str, quick: bool, t_start: float) -> dict:
         import time
 
         from .sharpness_suite import finish_sweep, params_applied
 
+        points = {p.label: p for p in self.design(quick)}
+
         def record(m):
             meta = m.meta
             return {"id": m.id, "hyper": {k: v for k, v in m.hyper.items() if k != "seed"},
-                    "seed": m.hyper["seed"], "gap": meta["gap"], "loss_gap": meta["loss_gap"],
+                    "seed": m.hyper["seed"], "design": points[m.id.rsplit("-", 1)[0]].to_dict(),
+                    "gap": meta["gap"], "loss_gap": meta["loss_gap"],
                     **{k: meta[k] for k in ("train_loss", "train_acc", "train_acc_clean_labels",
                                             "test_loss", "test_acc", "converged",
                                             "converged_epoch", "epochs_run", "steps",
@@ -326,7 +449,8 @@ class FinetuneExperiment(PopulationExperiment):
         records = [{**record(m), "measures": m.measures,
                     "measures_norms": m.measures.get("_norms", {})} for m in members]
         everyone = [*members, *dropped]
-        settings = {"population": self.settings(quick), "training": self.training(quick),
+        settings = {"population": self.settings(quick), "design": self.design_doc(quick),
+                    "training": self.training(quick),
                     "measure_protocol": self.measure_protocol(quick),
                     "measure_protocol_hash": mhash, "quick": quick,
                     "params_via": "params=" if params_applied(self.params(quick))

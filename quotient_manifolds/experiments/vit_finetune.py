@@ -23,11 +23,22 @@ $1/\sqrt{64}$), every weight fine-tuned (AdamW, decay on matrices only, batch 32
 A linear warm-up over 10 % of a member's scheduled steps, then a constant rate
 ([`finetune`][quotient_manifolds.experiments.finetune]). A member's training set is the
 first `CORE` = 128 images of part B (shared, the sharpness is measured on them) plus its own
-seeded draw from the rest of B up to its size. Sampled
+seeded draw from the rest of B up to its size. The sampler
 (`sample_population`, fixed seed): peak learning rate log-uniform in [3e-4, 2e-3], weight
 decay ∈ {0, 0.05, 0.2}, scheduled epochs ∈ {15, 30, 60}, training-set size ∈ {150, 300,
 600}, label noise ∈ {0, 0.1, 0.2} (that fraction of the member's labels replaced by a
-random other class; "own labels"), augmentation (random shifts ≤ 2 px) on or off, seed.
+random other class; "own labels"), augmentation (random shifts ≤ 2 px) on or off; draw `i`
+has seed `i`.
+
+**Design** (`design`; one factor at a time, so that the granulated τ of Jiang et al. 2020
+exists): the first `N_BASES` = 4 draws of the sampler are bases; each base gets, per axis of
+`OFAT_LEVELS`, alternates that copy it and change only that axis (learning rate: the two of
+the levels 3e-4, 7.7e-4, 2e-3 (ends and geometric middle of the sampled range) farthest from
+the base's rate; weight decay, scheduled epochs, training-set size, label noise: the two
+other levels; augmentation: the other value), and two alternates that change only the seed
+(seed + 1000, seed + 2000): 4 × (1 + 5 × 2 + 1 + 2) = 56 members. The scheduled epochs are
+an axis here: they are the number of augmented epochs and, at 15–60, comparable to the
+epochs the members need to converge (pilots: 26–76), so they change the training.
 Augmentation, when on, is applied in the scheduled epochs only: the extension epochs train on
 the un-augmented images, whose loss is the one the rule tests and the sharpness measures (a
 139 k-weight ViT cannot fit 20 % noisy labels under random shifts: in a pilot, such members
@@ -59,7 +70,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .finetune import FinetuneExperiment, PlateauRule, lr_factor, train_to_convergence
+from .finetune import (
+    DesignPoint,
+    FinetuneExperiment,
+    PlateauRule,
+    lr_factor,
+    ofat_design,
+    train_to_convergence,
+)
 from .modules import seeded
 from .store import PopulationStore, protocol_hash
 
@@ -69,7 +87,9 @@ __all__ = [
     "N_MEMBERS",
     "RULE",
     "TRAINING",
+    "OFAT_LEVELS",
     "build_vit",
+    "design",
     "load_mnist",
     "mnist_splits",
     "pretrain",
@@ -83,7 +103,6 @@ __all__ = [
 NAME = "vit-finetune"
 REQUIRES = ("transformers", "safetensors", "matplotlib", "mlxtend")
 """Optional packages this experiment needs (checked before it runs)."""
-N_MEMBERS = 42
 SAMPLER_SEED = 20250514
 SPLIT_SEED = 0
 SPLITS = (3000, 1000, 1000)  # A: pretraining, B: fine-tuning pool, C: test
@@ -115,8 +134,18 @@ GRID: dict[str, list[Any]] = {
     "weight_decay": [0.0, 0.05, 0.2], "epochs": [15, 30, 60], "train_size": [150, 300, 600],
     "label_noise": [0.0, 0.1, 0.2], "augment": [0, 1]}
 LR_RANGE = (3e-4, 2e-3)
-#: the `--quick` protocol: 3 members on a few images, a lenient rule
-QUICK: dict[str, Any] = {"n_members": 3, "splits": (64, 48, 32), "core": 16, "pretrain_epochs": 3,
+#: the design: bases = the first N_BASES draws of the sampler, N_SEEDS seed alternates each
+N_BASES, N_SEEDS = 4, 2
+#: the levels of the one-factor-at-a-time axes (the learning rate: ends and geometric middle
+#: of its sampled range, compared in log scale)
+OFAT_LEVELS: dict[str, list[Any]] = {
+    "lr": [LR_RANGE[0], math.sqrt(LR_RANGE[0] * LR_RANGE[1]), LR_RANGE[1]],
+    "weight_decay": [0.0, 0.05, 0.2], "epochs": [15, 30, 60], "train_size": [150, 300, 600],
+    "label_noise": [0.0, 0.1, 0.2], "augment": [0, 1]}
+#: the `--quick` protocol: 1 base with one augmentation and one seed alternate, 1 extra draw,
+#: a few images, a lenient rule
+QUICK: dict[str, Any] = {"n_bases": 1, "n_extras": 1, "n_seeds": 1, "levels": {"augment": [0, 1]},
+         "splits": (64, 48, 32), "core": 16, "pretrain_epochs": 3,
          "vit": {**VIT, "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64},
          "grid": {"weight_decay": [0.0, 0.05], "epochs": [3], "train_size": [24, 32],
                   "label_noise": [0.0, 0.2], "augment": [0, 1]},
@@ -169,9 +198,9 @@ def random_shift(x: torch.Tensor, max_shift: int, g: torch.Generator) -> torch.T
     return pad[torch.arange(flat.shape[0])[:, None, None], rows, cols].reshape(*lead, h, w)
 
 
-def sample_population(n: int = N_MEMBERS, grid: dict | None = None,
+def sample_population(n: int = N_BASES, grid: dict | None = None,
                       seed: int = SAMPLER_SEED) -> list[dict]:
-    """`n` hyperparameter sets (fixed seed); member `i` has seed `i`."""
+    """The first `n` draws of the sampler (fixed seed); draw `i` has seed `i`."""
     grid = GRID if grid is None else grid
     rng = np.random.default_rng(seed)
     out = []
@@ -183,6 +212,20 @@ def sample_population(n: int = N_MEMBERS, grid: dict | None = None,
         h["seed"] = i
         out.append(h)
     return out
+
+
+def design(quick: bool = False) -> list[DesignPoint]:
+    """The population (module docstring): OFAT groups around the bases (then, `--quick`
+    only, one extra draw)."""
+    q = QUICK if quick else None
+    nb, ne = (q["n_bases"], q["n_extras"]) if q else (N_BASES, 0)
+    draws = sample_population(nb + ne, q["grid"] if q else None)
+    lab = [(f"m{i:02d}", h) for i, h in enumerate(draws)]
+    return ofat_design(lab[:nb], q["levels"] if q else OFAT_LEVELS,
+                       n_seeds=q["n_seeds"] if q else N_SEEDS, extras=lab[nb:])
+
+
+N_MEMBERS = len(design())
 
 
 def noisy_labels(y: torch.Tensor, frac: float, seed: int, n_classes: int = 10) -> torch.Tensor:
@@ -336,16 +379,15 @@ def train_member(pretrained: dict, hyper: dict, data: dict, *, vit: dict = VIT,
     return model, meta
 
 
-def _protocol(quick: bool) -> tuple[dict, dict, PlateauRule, int, dict, list[dict]]:
-    """(pretraining, training, rule, core, splits-data kwargs, hypers) of a run."""
+def _protocol(quick: bool) -> tuple[dict, dict, PlateauRule, int, dict]:
+    """(pretraining, training, rule, core, splits-data kwargs) of a run."""
     if not quick:
-        return PRETRAINING, TRAINING, RULE, CORE, {"splits": SPLITS}, sample_population()
+        return PRETRAINING, TRAINING, RULE, CORE, {"splits": SPLITS}
     q = QUICK
     pre = {**PRETRAINING, "vit": q["vit"], "splits": q["splits"], "epochs": q["pretrain_epochs"]}
     train = {**TRAINING, "pretraining": pre, "core": q["core"], "rule": q["rule"].to_dict(),
              "quick": True}
-    return pre, train, q["rule"], q["core"], {"splits": q["splits"]}, \
-        sample_population(q["n_members"], q["grid"])
+    return pre, train, q["rule"], q["core"], {"splits": q["splits"]}
 
 
 class VitFinetuneExperiment(FinetuneExperiment):
@@ -357,20 +399,20 @@ class VitFinetuneExperiment(FinetuneExperiment):
     params_doc = "every weight (139 k)"
 
     def prepare(self, store, quick):
-        pre, _, _, _, split_kw, _ = _protocol(quick)
+        pre, _, _, _, split_kw = _protocol(quick)
         data = mnist_splits(**split_kw)
         pretrained, pre_meta = load_or_pretrain(store, data, pre, log=None)
         return {"data": data, "pretrained": pretrained, "pretrained_meta": pre_meta,
                 "vit": pre["vit"], "log": None}
 
-    def hypers(self, quick):
-        return _protocol(quick)[5]
+    def design(self, quick):
+        return design(quick)
 
     def training(self, quick):
         return _protocol(quick)[1]
 
     def train(self, ctx, hyper, quick):
-        _, _, rule, core, _, _ = _protocol(quick)
+        _, _, rule, core, _ = _protocol(quick)
         t0 = time.perf_counter()
         model, meta = train_member(ctx["pretrained"], hyper, ctx["data"], vit=ctx["vit"],
                                    core=core, rule=rule)
@@ -408,6 +450,18 @@ class VitFinetuneExperiment(FinetuneExperiment):
         return {"n_members": len(self.hypers(quick)), "sampler_seed": SAMPLER_SEED,
                 "lr": f"log-uniform {list(LR_RANGE)}", **grid}
 
+    def design_rule(self, quick):
+        q = QUICK if quick else None
+        nb = q["n_bases"] if q else N_BASES
+        return {"levels": q["levels"] if q else OFAT_LEVELS,
+                "alternates": "per axis, every level but the one nearest the base's value "
+                              "(lr: in log scale)",
+                "seeds": f"{q['n_seeds'] if q else N_SEEDS} alternates: seed + 1000 k",
+                "bases_from": f"sampler draws 0..{nb - 1}",
+                "extras_from": f"sampler draw {nb}" if q else "none",
+                "epochs": "an axis: the number of augmented epochs, comparable to the epochs "
+                          "the members need to converge"}
+
     def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
         res = super().finish(ctx, store, members, dropped, mhash=mhash, quick=quick,
                              t_start=t_start)
@@ -423,7 +477,7 @@ def train_population(out: str | os.PathLike, *, quick: bool = False, progress: b
                      log: Callable[[str], None] | None = None) -> tuple[PopulationStore, list]:
     """Pretrain once, then fine-tune every member not yet on disk (resumable)."""
     store = PopulationStore(out, NAME)
-    pre, _, _, _, split_kw, _ = _protocol(quick)
+    pre, _, _, _, split_kw = _protocol(quick)
     data = mnist_splits(**split_kw)
     pretrained, pre_meta = load_or_pretrain(store, data, pre, log=log)
     ctx = {"data": data, "pretrained": pretrained, "pretrained_meta": pre_meta,
