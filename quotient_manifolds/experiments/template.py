@@ -123,8 +123,15 @@ class PopulationExperiment:
         `m<index>`."""
         if labels is None:
             labels = [f"m{i:02d}" for i in range(len(hypers))]
-        return [f"{lab}-{protocol_hash({**h, **training})[:8]}"
-                for lab, h in zip(labels, hypers, strict=True)]
+        for h in hypers:
+            if set(h) & set(training):  # a protocol key would hide the hyperparameter
+                raise ValueError(f"hyperparameters {sorted(set(h) & set(training))} are also "
+                                 "keys of the training protocol; rename one of them")
+        ids = [f"{lab}-{protocol_hash({**h, **training})[:8]}"
+               for lab, h in zip(labels, hypers, strict=True)]
+        if len(set(ids)) != len(ids):
+            raise ValueError("two members have the same label and hyperparameters")
+        return ids
 
     def train_population(self, out: str | os.PathLike, *, quick: bool = False,
                          progress: bool = True, ctx: Any = None,

@@ -129,7 +129,7 @@ TRAINING = {"pretraining": PRETRAINING, "head": "re-drawn per member", "trained"
             "optimizer": "AdamW; decay on ndim>=2 only", "batch": BATCH, "core": CORE,
             "schedule": "linear warmup over 0.1 of the scheduled steps, then constant",
             "rule": RULE.to_dict(), "dtype": "float32",
-            "augment": f"shift <= {MAX_SHIFT} px, scheduled epochs only"}
+            "augmentation": f"shift <= {MAX_SHIFT} px, scheduled epochs only"}
 GRID: dict[str, list[Any]] = {
     "weight_decay": [0.0, 0.05, 0.2], "epochs": [15, 30, 60], "train_size": [150, 300, 600],
     "label_noise": [0.0, 0.1, 0.2], "augment": [0, 1]}
