@@ -15,7 +15,13 @@ import torch
 from scipy.stats import kendalltau
 
 from quotient_manifolds.experiments import sharpness_suite as suite
-from quotient_manifolds.experiments.finetune import PlateauRule, lr_factor, train_to_convergence
+from quotient_manifolds.experiments.finetune import (
+    PlateauRule,
+    lr_factor,
+    ofat_alternates,
+    ofat_design,
+    train_to_convergence,
+)
 from quotient_manifolds.experiments.stats import (
     conditional_tau,
     discretize,
@@ -126,6 +132,141 @@ def test_discretize_and_granulated_on_a_grid():
     assert math.isnan(lone["psi"]) and lone["axes"]["a"]["n_groups"] == 0
 
 
+# -- the one-factor-at-a-time design and its granulated τ ------------------------------------
+def test_ofat_alternates():
+    assert ofat_alternates(0.01, [0.0, 0.01, 0.1]) == [0.0, 0.1]
+    assert ofat_alternates(0, [0, 1]) == [1]
+    lv = [3e-5, math.sqrt(3e-5 * 1e-4), 1e-4]
+    assert ofat_alternates(6.7e-5, lv, log=True) == [3e-5, 1e-4]  # nearest: the middle
+    assert ofat_alternates(7.9e-5, lv, log=True) == [3e-5, lv[1]]  # nearest: 1e-4
+    assert ofat_alternates(3e-5, lv, log=True) == lv[1:]
+
+
+def test_ofat_design_changes_one_axis_per_alternate():
+    bases = [("m00", {"a": 1.0, "b": 10, "seed": 0}), ("m01", {"a": 2.0, "b": 30, "seed": 1})]
+    pts = ofat_design(bases, {"a": [1.0, 2.0, 3.0], "b": [10, 20, 30]}, log_axes=(),
+                      extras=[("m02", {"a": 5.0, "b": 20, "seed": 2})])
+    assert [p.label for p in pts] == [
+        "m00", "m00_a1", "m00_a2", "m00_b1", "m00_b2", "m00_seed1", "m00_seed2",
+        "m01", "m01_a1", "m01_a2", "m01_b1", "m01_b2", "m01_seed1", "m01_seed2", "m02"]
+    assert pts == ofat_design(bases, {"a": [1.0, 2.0, 3.0], "b": [10, 20, 30]}, log_axes=(),
+                              extras=[("m02", {"a": 5.0, "b": 20, "seed": 2})])
+    base = {p.label: p.hyper for p in pts if p.base == p.label}
+    for p in pts:
+        if p.axis is None:
+            assert p.base in (p.label, None)
+            continue
+        diff = {k for k in p.hyper if p.hyper[k] != base[p.base][k]}
+        assert diff == {p.axis}
+        assert type(p.hyper[p.axis]) is type(base[p.base][p.axis])
+    assert [p.hyper["seed"] for p in pts if p.axis == "seed"] == [1000, 2000, 1001, 2001]
+    assert pts[-1].base is None and pts[-1].axis is None
+    with pytest.raises(KeyError, match="axis 'c'"):
+        ofat_design(bases, {"c": [1, 2]})
+
+
+def _synthetic_ofat():
+    """3 bases x (axis a: 2 alternates, axis b: 1 alternate) + 1 extra, with x and gap chosen
+    per group so that the within-group τ is known by hand."""
+    bases = [(f"m{i:02d}", {"a": 2, "b": 0, "seed": i}) for i in range(3)]
+    pts = ofat_design(bases, {"a": [1, 2, 3], "b": [0, 1]}, n_seeds=0,
+                      extras=[("m03", {"a": 1, "b": 1, "seed": 3})])
+    # within-group orders of (x, gap), listed in the design order (base, alternates):
+    # axis a, base 0: x 1 2 3 / gap 1 2 3 -> 3 concordant pairs: τ = +1
+    # axis a, base 1: x 1 2 3 / gap 3 2 1 -> τ = -1
+    # axis a, base 2: x 1 2 3 / gap 1 3 2 -> C = 2, D = 1: τ = 1/3
+    # axis b, base 0: x 1 4 / gap 1 5 -> +1; base 1: x 1 4 / gap 3 0 -> -1;
+    #         base 2: x 1 4 / gap 1 1.5 -> +1
+    vals = {"m00": (1, 1), "m00_a1": (2, 2), "m00_a2": (3, 3), "m00_b1": (4, 5),
+            "m01": (1, 3), "m01_a1": (2, 2), "m01_a2": (3, 1), "m01_b1": (4, 0),
+            "m02": (1, 1), "m02_a1": (2, 3), "m02_a2": (3, 2), "m02_b1": (4, 1.5),
+            "m03": (100, -100)}
+    x = [vals[p.label][0] for p in pts]
+    y = [vals[p.label][1] for p in pts]
+    return pts, x, y
+
+
+def test_granulated_tau_on_a_synthetic_ofat_design():
+    pts, x, y = _synthetic_ofat()
+    g = granulated(x, y, [p.hyper for p in pts], axes=["a", "b"],
+                   ids=[p.label for p in pts])
+    a, b = g["axes"]["a"], g["axes"]["b"]
+    assert a["tau"] == pytest.approx((1 - 1 + 1 / 3) / 3)
+    assert b["tau"] == pytest.approx((1 - 1 + 1) / 3)
+    assert g["psi"] == pytest.approx((1 / 9 + 1 / 3) / 2) and g["n_axes"] == 2
+    assert (a["n_groups"], a["n_members"], b["n_groups"], b["n_members"]) == (3, 9, 3, 6)
+    assert [grp["members"] for grp in a["groups"]] == [
+        ["m00", "m00_a1", "m00_a2"], ["m01", "m01_a1", "m01_a2"], ["m02", "m02_a1", "m02_a2"]]
+    assert [grp["tau"] for grp in a["groups"]] == pytest.approx([1, -1, 1 / 3])
+    assert a["groups"][0]["values"] == [2, 1, 3]
+    assert all("m03" not in grp["members"] for d in (a, b) for grp in d["groups"])
+    # a constant gap inside one group: that group has no τ and is not averaged
+    y2 = list(y)
+    for i, p in enumerate(pts):
+        if p.label in ("m01", "m01_a1", "m01_a2"):
+            y2[i] = 0.5
+    g2 = granulated(x, y2, [p.hyper for p in pts], axes=["a"])
+    assert g2["axes"]["a"]["n_groups"] == 2 and len(g2["axes"]["a"]["groups"]) == 3
+    assert g2["axes"]["a"]["tau"] == pytest.approx((1 + 1 / 3) / 2)
+    # a non-finite measure drops the member: base 0's group of axis b has one member left
+    x3 = [math.nan if p.label == "m00_b1" else v for p, v in zip(pts, x)]
+    g3 = granulated(x3, y, [p.hyper for p in pts], axes=["b"])
+    assert g3["axes"]["b"]["n_groups"] == 2 and g3["axes"]["b"]["tau"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("module", ["minilm_finetune", "vit_finetune"])
+def test_population_designs_make_exactly_the_declared_groups(module):
+    """On the real designs, grouping by the exact values of the other hyperparameters
+    recovers the OFAT groups: each base with its alternates along the axis; extras in none."""
+    import importlib
+
+    mod = importlib.import_module(f"quotient_manifolds.experiments.{module}")
+    for quick in (False, True):
+        pts = mod.design(quick)
+        axes = sorted({p.axis for p in pts if p.axis})
+        rng = np.random.default_rng(0)
+        g = granulated(rng.normal(size=len(pts)), rng.normal(size=len(pts)),
+                       [p.hyper for p in pts], axes=axes, ids=[p.label for p in pts])
+        bases = [p.label for p in pts if p.base == p.label]
+        for axis in axes:
+            want = sorted(sorted([b] + [p.label for p in pts if p.base == b and p.axis == axis])
+                          for b in bases)
+            got = sorted(sorted(grp["members"]) for grp in g["axes"][axis]["groups"])
+            assert got == want
+            assert g["axes"][axis]["n_groups"] == len(bases)
+        ids = mod.EXPERIMENT.member_ids(mod.EXPERIMENT.hypers(quick),
+                                        mod.EXPERIMENT.training(quick),
+                                        mod.EXPERIMENT.labels(quick))
+        assert len(set(ids)) == len(ids) == len(pts)
+    assert len(mod.design()) == mod.N_MEMBERS >= (35 if module == "minilm_finetune" else 40)
+
+
+def test_minilm_design_keeps_the_members_trained_before_it():
+    """The eight members trained under the sampler before the design was fixed keep their
+    ids (so they are not retrained): bases m00-m02, extras m03-m07."""
+    from quotient_manifolds.experiments import minilm_finetune as mf
+
+    e = mf.EXPERIMENT
+    ids = e.member_ids(e.hypers(False), e.training(False), e.labels(False))
+    trained = ["m00-4a358b21", "m01-5d0dca85", "m02-5c59bf04", "m03-bcc6a0b4", "m04-e5dc527c",
+               "m05-9662057f", "m06-9d075384", "m07-69678993"]
+    assert set(trained) <= set(ids)
+    pts = {p.label: p for p in mf.design()}
+    assert [pts[t[:3]].base for t in trained] == ["m00", "m01", "m02"] + [None] * 5
+    assert "epochs" not in {p.axis for p in pts.values()}
+
+
+def test_member_ids_refuse_a_hyperparameter_hidden_by_the_protocol():
+    from quotient_manifolds.experiments.template import PopulationExperiment
+
+    e = PopulationExperiment()
+    with pytest.raises(ValueError, match="augment"):
+        e.member_ids([{"augment": 1}], {"augment": "shifts"})
+    with pytest.raises(ValueError, match="same label"):
+        e.member_ids([{"a": 1}, {"a": 1}], {}, ["m00", "m00"])
+    assert e.member_ids([{"a": 1}, {"a": 2}], {})[1].startswith("m01-")
+
+
 # -- calibration and sweep on a fake measure table --------------------------------------------
 class _FakeMeasure:
     def __init__(self, scale, kind="worst"):
@@ -190,8 +331,12 @@ def vit_quick(tmp_path_factory):
 
 
 def _check_sweep_results(res, out, name):
+    import importlib
+
+    mod = importlib.import_module(f"quotient_manifolds.experiments.{name.replace('-', '_')}")
     on_disk = json.loads((out / name / "results.json").read_text())
-    assert on_disk["experiment"] == name and on_disk["n_members"] == 3
+    pts = mod.design(True)
+    assert on_disk["experiment"] == name and on_disk["n_members"] == len(pts) == 4
     for key in ("adaptive", "adaptive_metric", "geodesic_inv", "geodesic_mix"):
         m = on_disk["measures"][key]
         assert len(m["by_rho"]) >= 3 and math.isfinite(m["tau"])
@@ -199,11 +344,36 @@ def _check_sweep_results(res, out, name):
         assert m["rho"] == on_disk["calibration"][fam]["rho"]
         assert sorted(float(r) for r in m["by_rho"]) == pytest.approx(on_disk["radii"][fam])
     assert set(on_disk["granulated"]) == set(on_disk["measures"])
+    # the OFAT groups of the quick design: the base with its one alternate per axis
+    design = on_disk["settings"]["design"]
+    axes = design["axes"]
+    assert len(axes) == 2 and "seed" in axes and design["extras"] == ["m01"]
+    by_label = {m["design"]["label"]: m["id"] for m in on_disk["members"]}
+    assert set(by_label) == {p.label for p in pts}
+    for g in on_disk["granulated"].values():
+        assert set(g["axes"]) == set(axes)
+        for a in axes:
+            groups = g["axes"][a]["groups"]
+            assert [sorted(grp["members"]) for grp in groups] == [
+                sorted([by_label["m00"], by_label[f"m00_{a}1"]])]
+            assert g["axes"][a]["n_groups"] == sum(math.isfinite(grp["tau"]) for grp in groups)
+    assert set(on_disk["granulated_baselines"]) == set(on_disk["baselines"])
+    # the cross-entropy gap has no ties: every group has a τ, the base's partner decides it
+    for meas, g in on_disk["vs_loss_gap"]["granulated"].items():
+        gaps = {m["id"]: m["loss_gap"] for m in on_disk["members"]}
+        d = on_disk["measures"][meas]
+        key = next(r for r in d["by_rho"] if float(r) == d["rho"])
+        vals = {m["id"]: m["measures"][meas][key] for m in on_disk["members"]}
+        for a in axes:
+            b, alt = by_label["m00"], by_label[f"m00_{a}1"]
+            want = np.sign(vals[alt] - vals[b]) * np.sign(gaps[alt] - gaps[b])
+            assert g["axes"][a]["tau"] == want and g["axes"][a]["n_groups"] == 1
+        assert g["psi"] == pytest.approx(np.mean([g["axes"][a]["tau"] for a in axes]))
     assert on_disk["conditional"]["on"] in on_disk["baselines"]
     for g in ("geodesic_inv", "geodesic_mix"):
         split = on_disk["budget_split"][g]
         assert all(0 <= f <= 1 for f in split["block_fraction"].values())
-    assert on_disk["convergence"]["n_converged"] == 3
+    assert on_disk["convergence"]["n_converged"] == len(pts)
     for mem in on_disk["members"]:
         assert mem["converged"] and mem["history"]
     for f in on_disk["figures"]:
@@ -260,8 +430,8 @@ def test_minilm_perturbed_selection_and_subsets():
     y = torch.arange(300) % 3
     noisy = mf.noisy_labels(y, 0.2, seed=1)
     assert int((noisy != y).sum()) == 60  # always a different class
-    hs = mf.sample_population()
-    assert hs == mf.sample_population() and len(hs) == mf.N_MEMBERS
+    hs = mf.sample_population(36)
+    assert hs == mf.sample_population(36) and hs[:8] == mf.sample_population()
     assert all(mf.LR_RANGE[0] <= h["lr"] <= mf.LR_RANGE[1] for h in hs)
 
 

@@ -449,7 +449,8 @@ class FinetuneExperiment(PopulationExperiment):
         records = [{**record(m), "measures": m.measures,
                     "measures_norms": m.measures.get("_norms", {})} for m in members]
         everyone = [*members, *dropped]
-        settings = {"population": self.settings(quick), "design": self.design_doc(quick),
+        design = self.design_doc(quick)
+        settings = {"population": self.settings(quick), "design": design,
                     "training": self.training(quick),
                     "measure_protocol": self.measure_protocol(quick),
                     "measure_protocol_hash": mhash, "quick": quick,
@@ -470,13 +471,14 @@ class FinetuneExperiment(PopulationExperiment):
         return finish_sweep(self.name, store.dir, records, gap_name=self.gap_name,
                             calibration=ctx.get("calibration", {}), settings=settings,
                             second_gap=("test CE − train CE", "loss_gap"), extra=extra,
-                            n_boot=200 if quick else 2000)
+                            n_boot=200 if quick else 2000,
+                            granulated_axes=design["axes"])
 
 
 def convergence_table(out: str, name: str) -> str:
     """A Markdown table of the trained members of population `name` under `out` (docs pages):
     hyperparameters, epochs run, the last evaluated epochs `(L_e, a_e)`, train/test accuracy,
-    gap and training time, in member order."""
+    gap and training time, by member label (a base is followed by its alternates)."""
     import json
     from pathlib import Path
 
@@ -487,7 +489,7 @@ def convergence_table(out: str, name: str) -> str:
         keys = [k for k in h if k != "seed"]
         last = " ".join(f"({e['epoch']}: {e['loss']:.3g}, {e['acc']:.3f})"
                         for e in m["history"][-3:])
-        rows.append([f.stem.split("-")[0]] + [f"{h[k]:.2g}" if isinstance(h[k], float)
+        rows.append([f.stem.rsplit("-", 1)[0]] + [f"{h[k]:.2g}" if isinstance(h[k], float)
                                               else str(h[k]) for k in keys]
                     + [str(m["epochs_run"]) + ("" if m["converged"] else " (not converged)"),
                        last, f"{m['train_acc']:.3f}", f"{m['test_acc']:.3f}",

@@ -519,6 +519,7 @@ def finish_sweep(
     second_gap: tuple[str, str] | None = None,
     extra: Mapping | None = None,
     n_boot: int = 2000,
+    granulated_axes: Sequence[str] | None = None,
 ) -> dict:
     r"""`results.json` of a ρ-sweep population, its τ-against-ρ and scatter figures.
 
@@ -526,7 +527,12 @@ def finish_sweep(
     (every measure with its `by_rho`; the headline ρ is the calibrated radius of its norm):
 
     * `granulated`: per measure at the headline ρ, the granulated τ of Jiang et al. (2020)
-      ([`granulated`][quotient_manifolds.experiments.stats.granulated]);
+      over `granulated_axes` (default: every hyperparameter and the seed): per axis the
+      groups of members that differ only in it, the τ inside each, their mean, the number
+      of groups and members used, and the mean over the axes `psi`
+      ([`granulated`][quotient_manifolds.experiments.stats.granulated]); the same for every
+      sampled hyperparameter as the measure under `granulated_baselines`; against the
+      second gap under `vs_<field>.granulated`;
     * `conditional`: the hyperparameter with the largest |τ| against the gap (`on`) and, per
       measure, τ within its strata
       ([`conditional_tau`][quotient_manifolds.experiments.stats.conditional_tau]);
@@ -560,6 +566,8 @@ def finish_sweep(
                     settings=settings, n_boot=n_boot, extra=blob)
     gaps = [float(m["gap"]) for m in clean]
     hypers = [m["hyper"] for m in clean]
+    with_seed = [{**m["hyper"], "seed": m.get("seed")} for m in clean]
+    ids = [str(m["id"]) for m in clean]
     finite = {h: d for h, d in res["baselines"].items() if math.isfinite(d["tau"])}
     strongest = max(finite, key=lambda h: abs(finite[h]["tau"])) if finite else None
 
@@ -573,7 +581,8 @@ def finish_sweep(
     res["budget_split"] = {}
     for name in res["measures"]:
         key, xs = at_headline(name)
-        res["granulated"][name] = granulated(xs, gaps, hypers)
+        res["granulated"][name] = granulated(xs, gaps, with_seed, axes=granulated_axes,
+                                             ids=ids)
         if strongest is not None:
             res["conditional"]["measures"][name] = conditional_tau(
                 xs, gaps, [h.get(strongest) for h in hypers])
@@ -586,6 +595,14 @@ def finish_sweep(
                 "min": min(ok) if ok else math.nan, "max": max(ok) if ok else math.nan,
                 "median": float(sorted(ok)[len(ok) // 2]) if ok else math.nan,
                 "tau_vs_gap": kendall_tau(fr, gaps, n_boot=n_boot)}
+    if second_gap is not None:  # the granulated τ against the second gap too
+        fld = second_gap[1]
+        res[f"vs_{fld}"]["granulated"] = {
+            name: granulated(at_headline(name)[1], [float(m[fld]) for m in clean], with_seed,
+                             axes=granulated_axes, ids=ids) for name in res["measures"]}
+    res["granulated_baselines"] = {
+        h: granulated([_num(m["hyper"].get(h)) for m in clean], gaps, with_seed,
+                      axes=granulated_axes, ids=ids) for h in res["baselines"]}
     if strongest is not None:
         for h in res["baselines"]:
             if h != strongest:

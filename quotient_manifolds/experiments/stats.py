@@ -9,7 +9,7 @@ the percentile bootstrap over members (pairs resampled with replacement).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -140,46 +140,93 @@ def discretize(values: Sequence, max_levels: int = 4, bins: int = 3) -> list:
 
 
 def granulated(
-    x: Sequence[float], y: Sequence[float], hypers: Sequence[dict], *, min_group: int = 2
+    x: Sequence[float],
+    y: Sequence[float],
+    hypers: Sequence[Mapping],
+    *,
+    axes: Sequence[str] | None = None,
+    ids: Sequence[str] | None = None,
+    min_group: int = 2,
 ) -> dict:
-    r"""Granulated τ of Jiang et al. (2020) on a sampled (not gridded) population.
+    r"""Granulated τ of Jiang et al. (2020): per hyperparameter, τ among members that differ
+    only in it, averaged.
 
-    For every axis $i$ the members are grouped by the levels (`discretize`) of all *other*
-    axes; τ is computed inside every group of at least `min_group` members in which axis $i$
-    takes more than one value, and averaged over the groups ($\psi_i$); $\Psi$ is the mean of
-    the $\psi_i$ that exist. With randomly sampled hyperparameters few members share all
-    other levels, so the number of groups and members used is reported with every $\psi_i$.
+    For an axis $i$ the members are grouped by the exact values of every *other*
+    hyperparameter (every key of `hypers`, the seed included); a group of at least
+    `min_group` members with finite `x` and `y` in which axis $i$ takes at least two values
+    is a group of axis $i$. With $\tau_g$ the Kendall τ-b of `x` against `y` inside group
+    $g$ and $m_i$ the number of groups whose $\tau_g$ is defined (a group in which `x` or
+    `y` is constant has none),
+
+    $$
+    \psi_i = \frac{1}{m_i} \sum_{g} \tau_g, \qquad
+    \Psi = \frac{1}{|A|} \sum_{i \in A} \psi_i ,
+    $$
+
+    $A$ being the axes of `axes` (default: every key) whose $\psi_i$ exists. A
+    one-factor-at-a-time design
+    ([`ofat_design`][quotient_manifolds.experiments.finetune.ofat_design]) makes the groups
+    of axis $i$ exactly the bases with their alternates along $i$; independently sampled
+    hyperparameters make none ($\psi_i$ NaN, 0 groups).
+
+    Parameters
+    ----------
+    x, y : sequence of float
+        The measure and the gap, one per member.
+    hypers : sequence of mapping
+        Every member's hyperparameters, seed included.
+    axes : sequence of str, optional
+        The axes to report (default: the union of the keys of `hypers`).
+    ids : sequence of str, optional
+        Member names used in the report (default: the indices).
+    min_group : int
+        Smallest group.
 
     Returns
     -------
     dict
-        `{"psi": Ψ, "axes": {axis: {"tau": ψ_i, "n_groups": int, "n_members": int}}}`.
+        `{"psi": Ψ, "n_axes": |A|, "axes": {axis: {"tau": ψ_i, "n_groups": m_i,
+        "n_members": members in those groups, "groups": [{"members", "values", "tau"}]}}}`;
+        `groups` lists every group, those without a τ too (`tau` NaN).
     """
     from scipy.stats import kendalltau
 
     xa, ya = np.asarray(x, float), np.asarray(y, float)
-    axes = sorted({k for h in hypers for k in h})
-    levels = {a: discretize([h.get(a) for h in hypers]) for a in axes}
+    if not (len(xa) == len(ya) == len(hypers)):
+        raise ValueError(f"x, y and hypers must have one entry per member, got {len(xa)}, "
+                         f"{len(ya)} and {len(hypers)}")
+    names = [str(i) for i in range(len(hypers))] if ids is None else [str(i) for i in ids]
+    keys = sorted({k for h in hypers for k in h})
+    axes = keys if axes is None else list(axes)
+    finite = [i for i in range(len(hypers)) if np.isfinite(xa[i]) and np.isfinite(ya[i])]
     out: dict = {"axes": {}}
     for a in axes:
+        others = [k for k in keys if k != a]
         buckets: dict = {}
-        for i in range(len(hypers)):
-            if not (np.isfinite(xa[i]) and np.isfinite(ya[i])):
-                continue
-            key = tuple(str(levels[b][i]) for b in axes if b != a)
+        for i in finite:
+            key = tuple((k, _hashable(hypers[i].get(k))) for k in others)
             buckets.setdefault(key, []).append(i)
-        taus, used = [], 0
+        groups, taus, used = [], [], 0
         for idx in buckets.values():
-            if len(idx) >= min_group and len({str(levels[a][i]) for i in idx}) > 1:
-                t = kendalltau(xa[idx], ya[idx]).statistic
-                if np.isfinite(t):
-                    taus.append(float(t))
-                    used += len(idx)
+            vals = [hypers[i].get(a) for i in idx]
+            if len(idx) < min_group or len({_hashable(v) for v in vals}) < 2:
+                continue
+            t = float(kendalltau(xa[idx], ya[idx]).statistic)
+            groups.append({"members": [names[i] for i in idx], "values": vals, "tau": t})
+            if math.isfinite(t):
+                taus.append(t)
+                used += len(idx)
         out["axes"][a] = {"tau": float(np.mean(taus)) if taus else math.nan,
-                          "n_groups": len(taus), "n_members": used}
+                          "n_groups": len(taus), "n_members": used, "groups": groups}
     psis = [d["tau"] for d in out["axes"].values() if math.isfinite(d["tau"])]
     out["psi"] = float(np.mean(psis)) if psis else math.nan
+    out["n_axes"] = len(psis)
     return out
+
+
+def _hashable(v: object) -> object:
+    """A hyperparameter value as a dict key (lists become tuples)."""
+    return tuple(v) if isinstance(v, list) else v
 
 
 def conditional_tau(x: Sequence[float], y: Sequence[float], strata: Sequence) -> dict:
