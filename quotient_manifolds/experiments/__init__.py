@@ -1,6 +1,6 @@
 """Reproductions of the paper's experiments and transformer populations (issue 5).
 
-Top layer: imports :mod:`quotient_manifolds.sharpness` and below, never the reverse.
+Top layer: imports `quotient_manifolds.sharpness` and below, never the reverse.
 """
 
 from .report import scatter_figure, summarize, tau_table

@@ -14,7 +14,7 @@ Protocol, fixed here before any τ was computed:
   ``10⁵`` steps; members that do not get there (or diverge) are dropped and counted.
 * **Gap** = test loss ``‖X_test β − y_test‖²/(2·1000)`` (train loss is ≈ 0).
 * **Measures** on the whole training set (one batch), same loss convention, by
-  :func:`quotient_manifolds.sharpness.diagonal.diagonal_sharpness`: worst case by
+  `quotient_manifolds.sharpness.diagonal.diagonal_sharpness`: worst case by
   batched Auto-PGD, 100 iterations, zero start + 3 random starts; average case over
   100 Gaussian draws; the random starts and draws of a member come from its own generator
   (seeded with its training seed), so its values do not depend on which members are measured
@@ -66,19 +66,26 @@ PRIMARY_RHO = 0.1
 WORST: dict[str, Any] = {"kind": "worst", "n_iter": 100, "n_restarts": 3}
 AVERAGE: dict[str, Any] = {"kind": "average", "n_samples": 100}
 #: name -> keyword arguments of diagonal_sharpness (besides rho).
+#: Radius conventions of mix (App. E): "metric" is ‖ξ‖_mix = √2‖β⊙b‖ ≤ ρ, App. E's mix
+#: convention ‖2 D_β b‖ up to √2 in ρ; "coefficient" is ‖b‖ ≤ ρ, App. E's *inv* convention
+#: applied to mix. "unconstrained": the metric ball without the domain 1 + 2b > 0 (β(1 + 2b)
+#: continued past it), solved exactly as a trust-region problem.
 MEASURES: dict[str, dict] = {
     "adaptive": {"measure": "adaptive", **WORST},
     "geodesic_inv": {"metric": "inv", "retraction": "exact", "ball": "metric", **WORST},
     "geodesic_mix": {"metric": "mix", "retraction": "exact", "ball": "metric", **WORST},
-    "geodesic_mix_appE": {"metric": "mix", "retraction": "exact", "ball": "coefficient",
-                          **WORST},
+    "geodesic_mix_unconstrained": {"metric": "mix", "retraction": "exact", "ball": "metric",
+                                   "domain": False, **WORST},
+    "geodesic_mix_coefficient": {"metric": "mix", "retraction": "exact", "ball": "coefficient",
+                                 **WORST},
     # the practical retraction of Eq. 5 (what the transformer engine uses)
     "geodesic_inv_second_order": {"metric": "inv", "retraction": "second_order",
                                   "ball": "metric", **WORST},
     "geodesic_mix_second_order": {"metric": "mix", "retraction": "second_order",
                                   "ball": "metric", **WORST},
-    # App. G ablations: (b) no second-order term, (a) adaptive norm instead of the metric norm
-    # (for inv the adaptive norm of a horizontal vector is its metric norm: not repeated)
+    # App. G ablations: (a) the adaptive norm instead of the Riemannian (metric) norm,
+    # (b) the second-order term dropped (w + ξ). For inv the adaptive norm of a horizontal
+    # vector is its metric norm, so (a) is not repeated for inv.
     "ablation_inv_first_order": {"metric": "inv", "retraction": "first_order",
                                  "ball": "metric", **WORST},
     "ablation_mix_first_order": {"metric": "mix", "retraction": "first_order",
@@ -89,8 +96,10 @@ MEASURES: dict[str, dict] = {
     "adaptive_avg": {"measure": "adaptive", **AVERAGE},
     "geodesic_inv_avg": {"metric": "inv", "retraction": "exact", "ball": "metric", **AVERAGE},
     "geodesic_mix_avg": {"metric": "mix", "retraction": "exact", "ball": "metric", **AVERAGE},
-    "geodesic_mix_appE_avg": {"metric": "mix", "retraction": "exact", "ball": "coefficient",
-                              **AVERAGE},
+    "geodesic_mix_unconstrained_avg": {"metric": "mix", "retraction": "exact",
+                                       "ball": "metric", "domain": False, **AVERAGE},
+    "geodesic_mix_coefficient_avg": {"metric": "mix", "retraction": "exact",
+                                     "ball": "coefficient", **AVERAGE},
 }
 QUICK: dict[str, Any] = {"n_members": 8, "max_steps": 4_000, "rho_grid": [0.03, 0.1], "n_iter": 10,
          "n_restarts": 1, "n_samples": 10, "n_boot": 200}
@@ -205,7 +214,8 @@ def _convention_figure(results: dict, path: Path) -> None:
     plt = pyplot("the figures of the diagonal experiment")
 
     fig, ax = plt.subplots(figsize=(5.2, 3.4))
-    for name in ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_appE"):
+    for name in ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_unconstrained",
+                 "geodesic_mix_coefficient"):
         if name not in results["measures"]:
             continue
         by = results["measures"][name]["by_rho"]
@@ -318,7 +328,8 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
                     n_boot=q.get("n_boot", 2000), extra=extra)
     # figures
     scatter_figure(res, store.dir / "scatter.png",
-                   ["adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_appE"])
+                   ["adaptive", "geodesic_inv", "geodesic_mix", "geodesic_mix_unconstrained",
+                    "geodesic_mix_coefficient"])
     _convention_figure(res, store.dir / "tau_vs_rho.png")
     best = int(torch.argmin(torch.tensor([m["gap"] for m in members])))
     res["landscape"] = {"member": ids[best],

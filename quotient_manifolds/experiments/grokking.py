@@ -7,13 +7,13 @@ LayerNorm-free transformer in the style of Nanda et al. (2023):
 * token and learned position embeddings, ``d = 64``;
 * attention with 4 heads of ``d_h = 16`` and **no biases**, written with separate
   ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections, so that
-  :func:`~quotient_manifolds.discover_blocks` finds the exact per-head GL(16) symmetries
+  `discover_blocks` finds the exact per-head GL(16) symmetries
   (one Q/K and one V/O block per head: ``softmax(X W_qᵢ (X W_kᵢ)ᵀ/√d_h) X W_vᵢ W_oᵢ``
   only depends on the products :math:`W_{q,i} W_{k,i}^\top` and :math:`W_{v,i} W_{o,i}`);
 * residual MLP of width ``4d`` with ReLU, untied unembedding;
 * full-batch AdamW, learning rate 3e-3, β = (0.9, 0.98), float32.
 
-**Population** (16 members, drawn by :func:`sample_population` with a fixed seed): weight
+**Population** (16 members, drawn by `sample_population` with a fixed seed): weight
 decay ∈ {0.1, 0.3, 1.0}, train fraction ∈ {0.3, 0.4, 0.5, 0.6}, p ∈ {43, 59}, the step
 budget ∈ {800, 1200, 1600} (short budgets leave members mid-transition, so that the test
 error is not bimodal; spec §9) and the seed (initialisation and train/test split).
@@ -22,8 +22,8 @@ error is not bimodal; spec §9) and the seed (initialisation and train/test spli
 τ (spec §6: fixed budget plus a filter). The gap is the test error (train error is 0 for
 every kept member); τ against the test cross-entropy is reported as a second gap under
 ``results["vs_test_loss"]``. Sharpness is measured on the full training set (one batch), in
-float64, with the suite of :mod:`~quotient_manifolds.experiments.sharpness_suite` at the
-radii :data:`RHO` (fixed before any τ was computed).
+float64, with the suite of `sharpness_suite` at the
+radii `RHO` (fixed before any τ was computed).
 """
 
 from __future__ import annotations
@@ -41,21 +41,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._deps import pyplot
+from .modules import Attention, seeded
 from .sharpness_suite import (
     SUITE,
     finish_population,
     float32_default,
     measure_member,
     measure_tasks,
-    seeded,
 )
-from .store import PopulationStore, protocol_hash
+from .template import Member, PopulationExperiment, at_minimum
 
 __all__ = [
     "NAME",
     "RHO",
     "RHO_GRID",
     "Attention",
+    "EXPERIMENT",
     "GrokTransformer",
     "modular_data",
     "sample_population",
@@ -79,31 +80,6 @@ EVAL_EVERY = 100
 QUICK_BATCH = 128
 
 
-class Attention(nn.Module):
-    r"""Bias-free multi-head self-attention with explicit per-head projections.
-
-    ``out = Σᵢ softmax(Qᵢ Kᵢᵀ / √d_h) Vᵢ W_o[:, rᵢ]ᵀ`` with ``Qᵢ = X W_q[rᵢ, :]ᵀ`` etc.; the
-    ``q_proj``/``k_proj``/``v_proj``/``o_proj`` + ``num_heads``/``head_dim`` layout is the one
-    :mod:`quotient_manifolds.models.discovery` recognises.
-    """
-
-    def __init__(self, d: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, d // num_heads
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h, dh = self.num_heads, self.head_dim
-        q, k, v = (p(x).view(b, t, h, dh).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dh), dim=-1)
-        return self.o_proj((att @ v).transpose(1, 2).reshape(b, t, d))
-
-
 class GrokTransformer(nn.Module):
     """One-layer, LayerNorm-free transformer for ``(a + b) mod p`` (spec §9)."""
 
@@ -113,7 +89,7 @@ class GrokTransformer(nn.Module):
         self.embed = nn.Embedding(p + 1, d)  # token p is "="
         self.pos = nn.Parameter(torch.randn(3, d) / math.sqrt(d))
         nn.init.normal_(self.embed.weight, std=1 / math.sqrt(d))
-        self.attn = Attention(d, num_heads)
+        self.attn = Attention(d, num_heads, bias=False)
         self.mlp = nn.Sequential(nn.Linear(d, mlp_mult * d), nn.ReLU(), nn.Linear(mlp_mult * d, d))
         self.unembed = nn.Linear(d, p, bias=False)
 
@@ -155,11 +131,10 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
     return float(F.cross_entropy(logits, y)), float((logits.argmax(-1) == y).float().mean())
 
 
-@seeded
 def train_member(hyper: dict, *, steps: int | None = None) -> tuple[GrokTransformer, dict]:
     """Train one member with full-batch AdamW; returns the model and its metrics."""
     x, y, xt, yt = modular_data(hyper["p"], hyper["train_frac"], hyper["seed"])
-    with float32_default():
+    with float32_default(), seeded(hyper["seed"]):
         model = GrokTransformer(hyper["p"])
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS,
                             weight_decay=hyper["weight_decay"])
@@ -207,6 +182,100 @@ def _curves_figure(records: list[dict], path: Path) -> Path:
     return path
 
 
+class GrokkingExperiment(PopulationExperiment):
+    """The grokking population on the template of
+    [`PopulationExperiment`][quotient_manifolds.experiments.template.PopulationExperiment]."""
+
+    name = NAME
+
+    def hypers(self, quick):
+        return sample_population(3 if quick else N_MEMBERS)
+
+    def training(self, quick):
+        return {"lr": LR, "betas": list(BETAS), "optimizer": "AdamW, full batch", "d": 64,
+                "heads": 4, "mlp": "4d ReLU", "layernorm": False, "dtype": "float32",
+                "steps_override": 20 if quick else None}
+
+    def train(self, ctx, hyper, quick):
+        model, meta = train_member(hyper, steps=self.training(quick)["steps_override"])
+        return model.state_dict(), meta
+
+    def keep(self, member, quick):
+        return quick or member.meta["train_acc"] >= MIN_TRAIN_ACC
+
+    def measure_protocol(self, quick):
+        grid = (1.0,) if quick else RHO_GRID
+        return {"rho": RHO, "rho_grid": list(grid), "average_rho": "rho/sqrt(D)",
+                "n_iter": 3 if quick else N_ITER,
+                "batches": f"first {QUICK_BATCH} training pairs" if quick
+                else "full training set, 1 batch",
+                "dtype": "float64", "seed": 0,
+                "measures": {k: m.spec() for k, m in SUITE.items()}}
+
+    def measure(self, ctx, store, members, mhash, quick, progress):
+        from tqdm.auto import tqdm
+
+        prot = self.measure_protocol(quick)
+        grid = tuple(prot["rho_grid"])
+        tasks = measure_tasks(RHO, grid)
+        bar = tqdm(total=len(members) * len(tasks), desc="grokking: sharpness",
+                   file=sys.stderr, disable=not progress)
+        for m in members:
+            state, _ = store.load_member(m.id)
+            with float32_default():
+                model = GrokTransformer(m.hyper["p"])
+            model.load_state_dict(state)
+            x, y, _, _ = modular_data(m.hyper["p"], m.hyper["train_frac"], m.hyper["seed"])
+            if quick:  # smoke test: a small fixed batch
+                x, y = x[:QUICK_BATCH], y[:QUICK_BATCH]
+            m.measures = measure_member(
+                model, _loss, [(x, y)], rho=RHO, grid=grid, n_iter=prot["n_iter"], seed=0,
+                cached=store.load_measures(m.id, mhash),
+                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
+        bar.close()
+
+    @staticmethod
+    def _record(m: Member) -> dict:
+        meta = m.meta
+        return {"id": m.id, "hyper": {k: v for k, v in m.hyper.items() if k != "seed"},
+                "seed": m.hyper["seed"], "gap": meta["test_error"],
+                "test_loss": meta["test_loss"], "train_loss": meta["train_loss"],
+                "train_acc": meta["train_acc"], "test_acc": meta["test_acc"],
+                "history": meta["history"]}
+
+    def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
+        records = [{**self._record(m), "measures": m.measures} for m in members]
+        dropped_recs = [{k: self._record(m)[k] for k in ("id", "hyper", "train_acc", "test_acc")}
+                        for m in dropped]
+        n = len(members) + len(dropped)
+        settings = {"population": {"n_members": n, "sampler_seed": SAMPLER_SEED,
+                                   "weight_decay": [0.1, 0.3, 1.0],
+                                   "train_frac": [0.3, 0.4, 0.5, 0.6],
+                                   "p": [43, 59], "steps": [800, 1200, 1600]},
+                    "training": self.training(quick),
+                    "filter": f"train accuracy >= {MIN_TRAIN_ACC}",
+                    "measure_protocol": self.measure_protocol(quick),
+                    "measure_protocol_hash": mhash, "quick": quick}
+        out_dir = store.dir
+        curves = records + [{"history": m.meta["history"]} for m in dropped]
+        figs_extra = [_curves_figure(curves, out_dir / "curves.png")]
+        ids = [m.id for m in [*members, *dropped]]
+        res = finish_population(
+            NAME, out_dir, records, gap_name="test error", rho=RHO, settings=settings,
+            second_gap=("test loss (cross-entropy)", "test_loss"),
+            extra={"dropped": dropped_recs, "n_dropped": len(dropped_recs),
+                   "at_minimum": at_minimum(records + dropped_recs, {
+                       m.id: m.meta["train_acc"] for m in [*members, *dropped]}),
+                   "train_time_s_total": sum(store.load_meta(i)["train_time_s"] for i in ids)},
+            n_boot=200 if quick else 2000)
+        res["figures"] = res["figures"] + [p.name for p in figs_extra]
+        store.write_json("results.json", res)
+        return res
+
+
+EXPERIMENT = GrokkingExperiment()
+
+
 def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
     """Train (or load) the population, measure it, write ``out/grokking/results.json``.
 
@@ -223,79 +292,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     Returns
     -------
     dict
-        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+        The ``results.json`` content (schema in `quotient_manifolds.experiments.report`).
     """
-    from tqdm.auto import tqdm
-
-    store = PopulationStore(out, NAME)
-    hypers = sample_population(3 if quick else N_MEMBERS)
-    n_iter = 3 if quick else N_ITER
-    grid = (1.0,) if quick else RHO_GRID
-    tasks = measure_tasks(RHO, grid)
-    train = {"lr": LR, "betas": list(BETAS), "optimizer": "AdamW, full batch", "d": 64,
-             "heads": 4, "mlp": "4d ReLU", "layernorm": False, "dtype": "float32",
-             "steps_override": 20 if quick else None}
-    measure_protocol = {"rho": RHO, "rho_grid": list(grid), "average_rho": "rho/sqrt(D)",
-                        "n_iter": n_iter,
-                        "batches": f"first {QUICK_BATCH} training pairs" if quick
-                        else "full training set, 1 batch",
-                        "dtype": "float64", "seed": 0,
-                        "measures": {k: m.spec() for k, m in SUITE.items()}}
-    mhash = protocol_hash(measure_protocol)
-    ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
-
-    def train_one(hyper):
-        model, meta = train_member(hyper, steps=train["steps_override"])
-        return model.state_dict(), meta
-
-    store.train_missing(ids, hypers, train_one, desc="grokking: train", progress=progress)
-
-    bar = tqdm(total=len(hypers) * len(tasks), desc="grokking: sharpness", file=sys.stderr,
-               disable=not progress)
-    records, dropped = [], []
-    for mid, hyper in zip(ids, hypers):
-        state, meta = store.load_member(mid)
-        rec = {"id": mid, "hyper": {k: v for k, v in hyper.items() if k != "seed"},
-               "seed": hyper["seed"], "gap": meta["test_error"], "test_loss": meta["test_loss"],
-               "train_loss": meta["train_loss"], "train_acc": meta["train_acc"],
-               "test_acc": meta["test_acc"], "history": meta["history"]}
-        if meta["train_acc"] < MIN_TRAIN_ACC and not quick:
-            dropped.append({k: rec[k] for k in ("id", "hyper", "train_acc", "test_acc")})
-            bar.update(len(tasks))
-            continue
-        with float32_default():
-            model = GrokTransformer(hyper["p"])
-        model.load_state_dict(state)
-        x, y, _, _ = modular_data(hyper["p"], hyper["train_frac"], hyper["seed"])
-        if quick:  # smoke test: a small fixed batch
-            x, y = x[:QUICK_BATCH], y[:QUICK_BATCH]
-        rec["measures"] = measure_member(
-            model, _loss, [(x, y)], rho=RHO, grid=grid, n_iter=n_iter, seed=0,
-            cached=store.load_measures(mid, mhash),
-            save=functools.partial(store.save_measures, mid, mhash), bar=bar)
-        records.append(rec)
-    bar.close()
-
-    settings = {"population": {"n_members": len(hypers), "sampler_seed": SAMPLER_SEED,
-                               "weight_decay": [0.1, 0.3, 1.0], "train_frac": [0.3, 0.4, 0.5, 0.6],
-                               "p": [43, 59], "steps": [800, 1200, 1600]},
-                "training": train, "filter": f"train accuracy >= {MIN_TRAIN_ACC}",
-                "measure_protocol": measure_protocol, "measure_protocol_hash": mhash,
-                "quick": quick}
-    out_dir = store.dir
-    curves = records + _dropped_histories(store, dropped)
-    figs_extra = [_curves_figure(curves, out_dir / "curves.png")]
-    res = finish_population(
-        NAME, out_dir, records, gap_name="test error", rho=RHO, settings=settings,
-        second_gap=("test loss (cross-entropy)", "test_loss"),
-        extra={"dropped": dropped, "n_dropped": len(dropped),
-               "train_time_s_total": sum(store.load_meta(m)["train_time_s"] for m in ids)},
-        n_boot=200 if quick else 2000)
-    res["figures"] = res["figures"] + [p.name for p in figs_extra]
-    store.write_json("results.json", res)
-    return res
-
-
-def _dropped_histories(store: PopulationStore, dropped: list[dict]) -> list[dict]:
-    """Histories of the dropped members (for the training-curve figure only)."""
-    return [{"history": store.load_meta(d["id"])["history"]} for d in dropped]
+    return EXPERIMENT.run(out, quick=quick, progress=progress)

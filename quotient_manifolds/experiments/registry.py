@@ -41,6 +41,8 @@ EXPERIMENTS: dict[str, str] = {
     "vit-digits": "vit_digits",
     "lora-minilm": "lora_minilm",
     "smollm2": "smollm2",
+    "minilm-finetune": "minilm_finetune",
+    "vit-finetune": "vit_finetune",
 }
 
 

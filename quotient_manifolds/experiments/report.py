@@ -20,7 +20,7 @@ from pathlib import Path
 from .._deps import pyplot
 from .stats import kendall_tau
 
-__all__ = ["summarize", "tau_table", "scatter_figure"]
+__all__ = ["summarize", "tau_table", "scatter_figure", "tau_rho_figure"]
 
 
 def _num(v) -> float:
@@ -123,6 +123,45 @@ def scatter_figure(
             ax.set_xscale("log")
     axes[0][0].set_ylabel(results["gap"])
     fig.suptitle(results["experiment"])
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tau_rho_figure(
+    results: Mapping, path: str | Path, measures: Sequence[str] | None = None,
+    reference: Mapping[str, float] | None = None,
+) -> Path:
+    r"""τ (with its bootstrap 95 % CI) against ρ, one line per measure.
+
+    With `reference = {measure: ρ*}` the x-axis is ρ/ρ* (measures of different norms on one
+    axis); otherwise ρ itself.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in (measures or results["measures"]) if n in results["measures"]]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for k, name in enumerate(names):
+        by = results["measures"][name]["by_rho"]
+        rs = sorted(by, key=float)
+        scale = float(reference[name]) if reference and name in reference else 1.0
+        xs = [float(r) / scale * (1 + 0.03 * (k - len(names) / 2)) for r in rs]
+        ts = [by[r]["tau"] for r in rs]
+        lo = [by[r]["tau"] - by[r]["ci95"][0] for r in rs]
+        hi = [by[r]["ci95"][1] - by[r]["tau"] for r in rs]
+        ax.errorbar(xs, ts, yerr=[lo, hi], marker="o", ms=3, capsize=2, lw=1, label=name,
+                    ls="--" if "average" in name else "-")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("ρ / ρ* (calibrated radius of the norm)" if reference else "ρ")
+    ax.set_ylabel(f"Kendall τ (measure, {results['gap']})")
+    ax.set_title(f"{results['experiment']}: τ against ρ (95 % bootstrap CI)")
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

@@ -62,13 +62,20 @@ from ..sharpness.measures import Measure, measure
 
 __all__ = [
     "SUITE",
+    "CALIBRATION_MEASURES",
     "MAIN_MEASURES",
+    "RHO_FACTORS",
+    "SWEEP_MEASURES",
+    "block_fraction",
+    "calibrate_rho",
+    "finish_sweep",
+    "measure_sweep",
+    "sweep_radii",
     "measure_rho",
     "measure_tasks",
     "measure_member",
     "finish_population",
     "float32_default",
-    "seeded",
 ]
 
 #: result key → measure of the one table (:data:`quotient_manifolds.sharpness.measures.MEASURES`)
@@ -90,20 +97,6 @@ def float32_default() -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(prev)
-
-
-def seeded(train: Callable) -> Callable:
-    """Run `train(hyper, ...)` with the global torch RNG seeded by `hyper["seed"]`, inside
-    `torch.random.fork_rng`: module initialisations are reproducible and the caller's RNG state
-    is left as it was (no global state changes)."""
-
-    @functools.wraps(train)
-    def wrapper(hyper, *args, **kwargs):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(hyper["seed"]))
-            return train(hyper, *args, **kwargs)
-
-    return wrapper
 
 
 def measure_rho(name: str, rho: Mapping[str, float]) -> float:
@@ -159,7 +152,7 @@ def measure_member(
     batches : sequence
         The fixed measurement batches (identical for every member).
     rho : dict
-        ``{"adaptive": ρ, "inv": ρ, "mix": ρ}`` (see :func:`measure_rho`).
+        ``{"adaptive": ρ, "inv": ρ, "mix": ρ}`` (see `measure_rho`).
     n_iter : int
         APGD iterations (worst case) or Gaussian samples (average case).
     seed : int
@@ -169,7 +162,7 @@ def measure_member(
     save : callable
         Called with the updated dict after each new measure (crash-safe resume).
     grid : sequence of float
-        Multipliers of ρ for the :data:`MAIN_MEASURES` (robustness to ρ; the headline
+        Multipliers of ρ for the `MAIN_MEASURES` (robustness to ρ; the headline
         uses the multiplier 1); the ablations and average-case measures use ρ only.
     names : iterable of str
         Measures to compute (default: all of :data:`SUITE`).
@@ -221,7 +214,7 @@ def finish_population(
     r"""Summarise, write ``results.json`` and the scatter figures.
 
     ``members`` are ``{"id", "gap", "hyper", "measures", ...}`` records
-    (:func:`~quotient_manifolds.experiments.report.summarize`). With
+    (`summarize`). With
     ``second_gap = (label, field)`` the τ of every measure and hyperparameter is also
     computed against ``member[field]`` and stored under ``"vs_" + field`` as
     ``{"gap", "measures", "baselines"}`` (same per-measure schema as the headline block).
@@ -255,3 +248,323 @@ def finish_population(
     res["figures"] = [p.name for p in figs]
     atomic_write_text(out_dir / "results.json", json.dumps(res, indent=1, default=float))
     return res
+
+
+# -- the ρ-sweep suite of the fine-tuned populations ---------------------------------------
+#: result key -> (name in the measure table `quotient_manifolds.sharpness.measures.MEASURES`,
+#: norm family whose calibrated radius it uses). Keys with `full` are the full-symmetry
+#: measures; `adaptive_metric` is the adaptive baseline solved by the Riemannian step (the
+#: solver of the geodesic measures), `adaptive` the reference solver.
+SWEEP_MEASURES: dict[str, tuple[str, str]] = {
+    "adaptive": ("adaptive", "adaptive"),
+    "adaptive_metric": ("adaptive-metric", "adaptive"),
+    "geodesic_inv": ("geodesic-inv", "inv"),
+    "geodesic_mix": ("geodesic-mix", "mix"),
+    "geodesic_inv_full": ("geodesic-inv-full", "inv"),
+    "geodesic_mix_full": ("geodesic-mix-full", "mix"),
+    "adaptive_average": ("adaptive-average", "adaptive"),
+    "geodesic_inv_average": ("geodesic-inv-average", "inv"),
+    "geodesic_mix_average": ("geodesic-mix-average", "mix"),
+    "geodesic_inv_full_average": ("geodesic-inv-full-average", "inv"),
+    "geodesic_mix_full_average": ("geodesic-mix-full-average", "mix"),
+}
+#: a selection of the perturbed weights: a predicate `(name, parameter) -> bool`, or None (all)
+ParamSelection = Callable[[str, torch.Tensor], bool] | None
+#: the worst-case measure whose loss increase calibrates each norm family's radius
+CALIBRATION_MEASURES = {"adaptive": "adaptive", "inv": "geodesic-inv", "mix": "geodesic-mix"}
+#: the 1-2-5 grid of candidate radii, and the target loss increase of the calibration
+RHO_CANDIDATES = tuple(m * 10.0**e for e in range(-5, 2) for m in (1.0, 2.0, 5.0))
+CALIBRATION_TARGET = 0.1
+#: the sweep: the calibrated radius times these factors (headline: factor 1)
+RHO_FACTORS = (1 / 3, 1.0, 3.0)
+
+
+def _measure_table() -> Any:
+    from ..sharpness.measures import MEASURES as TABLE
+
+    return TABLE
+
+
+def _run_measure(measure: Any, model: nn.Module, loss_fn: Callable, batches: Sequence, *,
+                 rho: float, n_iter: int, seed: int, params: ParamSelection) -> Any:
+    """`measure.run(...)` on the weights selected by `params` (None: those with
+    `requires_grad`)."""
+    return measure.run(model, loss_fn, batches, rho=rho, n_iter=n_iter, seed=seed,
+                       params=params)
+
+
+def perturbed_count(model: nn.Module, params: ParamSelection) -> int:
+    """Number of weights a measure perturbs under the selection `params` (a predicate)."""
+    if params is None:
+        return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(p.numel() for n, p in model.named_parameters() if params(n, p))
+
+
+def calibrate_rho(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: Sequence,
+    *,
+    n_iter: int,
+    params: ParamSelection = None,
+    seed: int = 0,
+    target: float = CALIBRATION_TARGET,
+    start: Mapping[str, float] | None = None,
+    max_evals: int = 12,
+) -> dict[str, dict]:
+    r"""The radius of each norm family, by a fixed rule on one calibration member.
+
+    For each family (`adaptive`, `inv`, `mix`) the worst-case measure of
+    `CALIBRATION_MEASURES` is evaluated on the 1-2-5 grid `RHO_CANDIDATES`, walking up from
+    `start[family]` while the loss increase is below `target` and down while it is above,
+    until the target is bracketed (or `max_evals` radii were tried); the radius is the grid
+    point whose increase is closest to `target` in log scale. No generalisation gap is read.
+
+    Returns
+    -------
+    dict
+        `{family: {"rho": ρ*, "trace": [[ρ, increase], ...]}}`.
+    """
+    table = _measure_table()
+    start = dict(start or {"adaptive": 0.1, "inv": 0.01, "mix": 0.01})
+    grid = list(RHO_CANDIDATES)
+    out = {}
+    for fam, name in CALIBRATION_MEASURES.items():
+        i = min(range(len(grid)), key=lambda k: abs(math.log(grid[k] / start[fam])))
+        trace: dict[int, float] = {}
+
+        def inc(k, name=name, trace=trace):
+            if k not in trace:
+                res = _run_measure(table[name], model, loss_fn, batches, rho=grid[k],
+                                   n_iter=n_iter, seed=seed, params=params)
+                trace[k] = float(res.value)
+            return trace[k]
+
+        step = 1 if inc(i) < target else -1
+        while 0 <= i + step < len(grid) and len(trace) < max_evals:
+            j = i + step
+            if (inc(j) < target) != (step == 1):  # crossed the target
+                break
+            i = j
+        best = min(trace, key=functools.partial(_log_distance, trace, target))
+        out[fam] = {"rho": grid[best], "trace": [[grid[k], trace[k]] for k in sorted(trace)]}
+    return out
+
+
+def _log_distance(trace: Mapping[int, float], target: float, k: int) -> float:
+    return abs(math.log(max(trace[k], 1e-300) / target))
+
+
+def sweep_radii(calibration: Mapping[str, Mapping]) -> dict[str, list[float]]:
+    """`{family: [ρ* · f for f in RHO_FACTORS]}`."""
+    return {fam: [float(c["rho"] * f) for f in RHO_FACTORS] for fam, c in calibration.items()}
+
+
+def measure_sweep(
+    model: nn.Module,
+    loss_fn: Callable,
+    batches: Sequence,
+    *,
+    radii: Mapping[str, Sequence[float]],
+    n_iter: int,
+    seed: int,
+    cached: Mapping,
+    save: Callable[[dict], None],
+    names: Iterable[str] = tuple(SWEEP_MEASURES),
+    params: ParamSelection = None,
+    float64: bool = False,
+    bar: Any = None,
+) -> dict:
+    r"""Every measure of `names` at every radius of its norm family, cached and resumable.
+
+    Worst-case measures are called with the radius ρ; average-case ones with $ρ/\sqrt{D}$
+    ($D$ = number of perturbed weights), so that $E‖ξ‖^2 = ρ^2$ (module docstring). An
+    average-case call that fails on a float32 model is retried once on a float64 copy (the
+    reason is kept under `values["_float64_retry"][name]`). Each
+    value is stored under `values[name][repr(ρ)]`; the result's norm split (GL blocks /
+    adaptive part / total, per batch) under `values["_norms"][name][repr(ρ)]`; a failed call
+    is NaN with its error under `values["_errors"][name]` (retried on the next run); a
+    name missing from the measure table is listed under `values["_unavailable"]`.
+    """
+    table = _measure_table()
+    values: dict = {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in cached.items()}
+    m = copy.deepcopy(model).double() if float64 else model
+    data = [_to64(b) for b in batches] if float64 else list(batches)
+    n_weights = perturbed_count(m, params)
+    m64: nn.Module | None = None
+    data64: list = []
+    unavailable = []
+    for name in names:
+        tname, fam = SWEEP_MEASURES[name]
+        if tname not in table:
+            unavailable.append(tname)
+            if bar is not None:
+                bar.update(len(radii[fam]))
+            continue
+        measure = table[tname]
+        for r in radii[fam]:
+            key = repr(float(r))
+            old = values.get(name, {}).get(key)
+            if old is not None and math.isfinite(old):
+                if bar is not None:
+                    bar.update(1)
+                continue
+            r_call = r / math.sqrt(n_weights) if measure.kind == "average" else r
+            try:
+                try:
+                    res = _run_measure(measure, m, loss_fn, data, rho=r_call, n_iter=n_iter,
+                                       seed=seed, params=params)
+                except (QuotientManifoldError, RuntimeError) as e:
+                    # Gaussian samples of the average case have failed on float32 models
+                    # (float32 draws against float64 factors): one retry on a float64 copy
+                    if float64 or measure.kind != "average":
+                        raise
+                    if m64 is None:
+                        m64 = copy.deepcopy(model).double()
+                        data64 = [_to64(b) for b in batches]
+                    res = _run_measure(measure, m64, loss_fn, data64, rho=r_call,
+                                       n_iter=n_iter, seed=seed, params=params)
+                    values.setdefault("_float64_retry", {})[name] = f"{type(e).__name__}: {e}"
+                val = float(res.value)
+                values.setdefault("_norms", {}).setdefault(name, {})[key] = res.norms
+                values.get("_errors", {}).pop(name, None)
+            except QuotientManifoldError as e:
+                val = math.nan
+                values.setdefault("_errors", {})[name] = f"{type(e).__name__}: {e}"
+            values.setdefault(name, {})[key] = val
+            save(values)
+            if bar is not None:
+                bar.update(1)
+    values["_unavailable"] = sorted(set(unavailable))
+    save(values)
+    return values
+
+
+def block_fraction(norms: Any) -> float:
+    """Share of the squared perturbation norm on the GL blocks (mean over batches); NaN if
+    the result has no block/adaptive split (adaptive measures)."""
+    fr = []
+    for d in norms or ():
+        if isinstance(d, Mapping) and "blocks" in d and d.get("total"):
+            fr.append(float(d["blocks"]) ** 2 / float(d["total"]) ** 2)
+    return float(sum(fr) / len(fr)) if fr else math.nan
+
+
+def finish_sweep(
+    experiment: str,
+    out_dir: Path,
+    members: Sequence[Mapping],
+    *,
+    gap_name: str,
+    calibration: Mapping[str, Mapping],
+    settings: Mapping,
+    second_gap: tuple[str, str] | None = None,
+    extra: Mapping | None = None,
+    n_boot: int = 2000,
+    granulated_axes: Sequence[str] | None = None,
+) -> dict:
+    r"""`results.json` of a ρ-sweep population, its τ-against-ρ and scatter figures.
+
+    On top of the schema of [`summarize`][quotient_manifolds.experiments.report.summarize]
+    (every measure with its `by_rho`; the headline ρ is the calibrated radius of its norm):
+
+    * `granulated`: per measure at the headline ρ, the granulated τ of Jiang et al. (2020)
+      over `granulated_axes` (default: every hyperparameter and the seed): per axis the
+      groups of members that differ only in it, the τ inside each, their mean, the number
+      of groups and members used, and the mean over the axes `psi`
+      ([`granulated`][quotient_manifolds.experiments.stats.granulated]); the same for every
+      sampled hyperparameter as the measure under `granulated_baselines`; against the
+      second gap under `vs_<field>.granulated`;
+    * `conditional`: the hyperparameter with the largest |τ| against the gap (`on`) and, per
+      measure, τ within its strata
+      ([`conditional_tau`][quotient_manifolds.experiments.stats.conditional_tau]);
+    * `budget_split`: per worst-case geodesic measure, the share of the squared norm of the
+      maximising perturbation on the GL blocks at the headline ρ, per member, its range, and
+      its τ against the gap;
+    * `calibration` and `radii`.
+    """
+    from .report import scatter_figure, summarize, tau_rho_figure
+    from .stats import conditional_tau, granulated, kendall_tau
+    from .store import atomic_write_text
+
+    radii = sweep_radii(calibration)
+    primary = {name: float(calibration[fam]["rho"]) for name, (_, fam) in SWEEP_MEASURES.items()
+               if fam in calibration}
+    clean = []
+    for m in members:
+        meas = {k: v for k, v in m["measures"].items() if not k.startswith("_")}
+        rec = {**m, "measures": meas}
+        if m["measures"].get("_errors"):
+            rec["measure_errors"] = m["measures"]["_errors"]
+        clean.append(rec)
+    blob = dict(extra or {})
+    if second_gap is not None:
+        label, fld = second_gap
+        alt = summarize(experiment, [{**m, "gap": m[fld]} for m in clean], gap_name=label,
+                        primary_rho=primary, settings={}, n_boot=n_boot)
+        blob[f"vs_{fld}"] = {"gap": label, "measures": alt["measures"],
+                             "baselines": alt["baselines"]}
+    res = summarize(experiment, clean, gap_name=gap_name, primary_rho=primary,
+                    settings=settings, n_boot=n_boot, extra=blob)
+    gaps = [float(m["gap"]) for m in clean]
+    hypers = [m["hyper"] for m in clean]
+    with_seed = [{**m["hyper"], "seed": m.get("seed")} for m in clean]
+    ids = [str(m["id"]) for m in clean]
+    finite = {h: d for h, d in res["baselines"].items() if math.isfinite(d["tau"])}
+    strongest = max(finite, key=lambda h: abs(finite[h]["tau"])) if finite else None
+
+    def at_headline(name):
+        d = res["measures"][name]
+        key = next(r for r in d["by_rho"] if float(r) == d["rho"])
+        return key, [m["measures"].get(name, {}).get(key, math.nan) for m in clean]
+
+    res["granulated"] = {}
+    res["conditional"] = {"on": strongest, "measures": {}, "baselines": {}}
+    res["budget_split"] = {}
+    for name in res["measures"]:
+        key, xs = at_headline(name)
+        res["granulated"][name] = granulated(xs, gaps, with_seed, axes=granulated_axes,
+                                             ids=ids)
+        if strongest is not None:
+            res["conditional"]["measures"][name] = conditional_tau(
+                xs, gaps, [h.get(strongest) for h in hypers])
+        if name.startswith("geodesic") and "average" not in name:  # a maximiser's split
+            fr = [block_fraction(m["measures_norms"].get(name, {}).get(key))
+                  if "measures_norms" in m else math.nan for m in members]
+            ok = [f for f in fr if math.isfinite(f)]
+            res["budget_split"][name] = {
+                "rho": float(key), "block_fraction": dict(zip([m["id"] for m in members], fr)),
+                "min": min(ok) if ok else math.nan, "max": max(ok) if ok else math.nan,
+                "median": float(sorted(ok)[len(ok) // 2]) if ok else math.nan,
+                "tau_vs_gap": kendall_tau(fr, gaps, n_boot=n_boot)}
+    if second_gap is not None:  # the granulated τ against the second gap too
+        fld = second_gap[1]
+        res[f"vs_{fld}"]["granulated"] = {
+            name: granulated(at_headline(name)[1], [float(m[fld]) for m in clean], with_seed,
+                             axes=granulated_axes, ids=ids) for name in res["measures"]}
+    res["granulated_baselines"] = {
+        h: granulated([_num(m["hyper"].get(h)) for m in clean], gaps, with_seed,
+                      axes=granulated_axes, ids=ids) for h in res["baselines"]}
+    if strongest is not None:
+        for h in res["baselines"]:
+            if h != strongest:
+                res["conditional"]["baselines"][h] = conditional_tau(
+                    [_num(m["hyper"].get(h)) for m in clean], gaps,
+                    [m["hyper"].get(strongest) for m in clean])
+    res["calibration"] = {k: dict(v) for k, v in calibration.items()}
+    res["radii"] = radii
+    out_dir.mkdir(parents=True, exist_ok=True)
+    worst = [n for n in ("adaptive", "adaptive_metric", "geodesic_inv", "geodesic_mix",
+                         "geodesic_inv_full", "geodesic_mix_full") if n in res["measures"]]
+    figs = [scatter_figure(res, out_dir / "scatter.png", worst),
+            tau_rho_figure(res, out_dir / "tau_vs_rho.png", reference=primary)]
+    res["figures"] = [p.name for p in figs]
+    atomic_write_text(out_dir / "results.json", json.dumps(res, indent=1, default=float))
+    return res
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan

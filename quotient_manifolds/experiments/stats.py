@@ -9,11 +9,11 @@ the percentile bootstrap over members (pairs resampled with replacement).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["kendall_tau", "granulated_tau"]
+__all__ = ["conditional_tau", "discretize", "granulated", "granulated_tau", "kendall_tau"]
 
 
 def kendall_tau(
@@ -119,3 +119,145 @@ def granulated_tau(
             if np.isfinite(t):
                 taus.append(float(t))
     return float(np.mean(taus)) if taus else math.nan
+
+
+def discretize(values: Sequence, max_levels: int = 4, bins: int = 3) -> list:
+    r"""Levels of one hyperparameter axis for stratification.
+
+    An axis with at most `max_levels` distinct values keeps them; a continuous axis (e.g. a
+    log-uniform learning rate) is cut into `bins` equal-count bins of its sorted values
+    (level = bin index).
+    """
+    vals = list(values)
+    distinct = sorted(set(vals), key=lambda v: (str(type(v)), v))
+    if len(distinct) <= max_levels:
+        return vals
+    order = np.argsort(np.asarray(vals, dtype=float), kind="stable")
+    level = np.empty(len(vals), dtype=int)
+    for b, chunk in enumerate(np.array_split(order, bins)):
+        level[chunk] = b
+    return level.tolist()
+
+
+def granulated(
+    x: Sequence[float],
+    y: Sequence[float],
+    hypers: Sequence[Mapping],
+    *,
+    axes: Sequence[str] | None = None,
+    ids: Sequence[str] | None = None,
+    min_group: int = 2,
+) -> dict:
+    r"""Granulated τ of Jiang et al. (2020): per hyperparameter, τ among members that differ
+    only in it, averaged.
+
+    For an axis $i$ the members are grouped by the exact values of every *other*
+    hyperparameter (every key of `hypers`, the seed included); a group of at least
+    `min_group` members with finite `x` and `y` in which axis $i$ takes at least two values
+    is a group of axis $i$. With $\tau_g$ the Kendall τ-b of `x` against `y` inside group
+    $g$ and $m_i$ the number of groups whose $\tau_g$ is defined (a group in which `x` or
+    `y` is constant has none),
+
+    $$
+    \psi_i = \frac{1}{m_i} \sum_{g} \tau_g, \qquad
+    \Psi = \frac{1}{|A|} \sum_{i \in A} \psi_i ,
+    $$
+
+    $A$ being the axes of `axes` (default: every key) whose $\psi_i$ exists. A
+    one-factor-at-a-time design
+    ([`ofat_design`][quotient_manifolds.experiments.finetune.ofat_design]) makes the groups
+    of axis $i$ exactly the bases with their alternates along $i$; independently sampled
+    hyperparameters make none ($\psi_i$ NaN, 0 groups).
+
+    Parameters
+    ----------
+    x, y : sequence of float
+        The measure and the gap, one per member.
+    hypers : sequence of mapping
+        Every member's hyperparameters, seed included.
+    axes : sequence of str, optional
+        The axes to report (default: the union of the keys of `hypers`).
+    ids : sequence of str, optional
+        Member names used in the report (default: the indices).
+    min_group : int
+        Smallest group.
+
+    Returns
+    -------
+    dict
+        `{"psi": Ψ, "n_axes": |A|, "axes": {axis: {"tau": ψ_i, "n_groups": m_i,
+        "n_members": members in those groups, "groups": [{"members", "values", "tau"}]}}}`;
+        `groups` lists every group, those without a τ too (`tau` NaN).
+    """
+    from scipy.stats import kendalltau
+
+    xa, ya = np.asarray(x, float), np.asarray(y, float)
+    if not (len(xa) == len(ya) == len(hypers)):
+        raise ValueError(f"x, y and hypers must have one entry per member, got {len(xa)}, "
+                         f"{len(ya)} and {len(hypers)}")
+    names = [str(i) for i in range(len(hypers))] if ids is None else [str(i) for i in ids]
+    keys = sorted({k for h in hypers for k in h})
+    axes = keys if axes is None else list(axes)
+    finite = [i for i in range(len(hypers)) if np.isfinite(xa[i]) and np.isfinite(ya[i])]
+    out: dict = {"axes": {}}
+    for a in axes:
+        others = [k for k in keys if k != a]
+        buckets: dict = {}
+        for i in finite:
+            key = tuple((k, _hashable(hypers[i].get(k))) for k in others)
+            buckets.setdefault(key, []).append(i)
+        groups, taus, used = [], [], 0
+        for idx in buckets.values():
+            vals = [hypers[i].get(a) for i in idx]
+            if len(idx) < min_group or len({_hashable(v) for v in vals}) < 2:
+                continue
+            t = float(kendalltau(xa[idx], ya[idx]).statistic)
+            groups.append({"members": [names[i] for i in idx], "values": vals, "tau": t})
+            if math.isfinite(t):
+                taus.append(t)
+                used += len(idx)
+        out["axes"][a] = {"tau": float(np.mean(taus)) if taus else math.nan,
+                          "n_groups": len(taus), "n_members": used, "groups": groups}
+    psis = [d["tau"] for d in out["axes"].values() if math.isfinite(d["tau"])]
+    out["psi"] = float(np.mean(psis)) if psis else math.nan
+    out["n_axes"] = len(psis)
+    return out
+
+
+def _hashable(v: object) -> object:
+    """A hyperparameter value as a dict key (lists become tuples)."""
+    return tuple(v) if isinstance(v, list) else v
+
+
+def conditional_tau(x: Sequence[float], y: Sequence[float], strata: Sequence) -> dict:
+    r"""τ of `x` against `y` within the strata of one hyperparameter, pooled.
+
+    Pairs of members in the same stratum only (levels of `discretize`): τ-b of the pooled
+    within-stratum pairs, $\sum_s C_s - D_s$ over $\sqrt{(\sum_s n^x_s)(\sum_s n^y_s)}$
+    (untied pairs per side). It removes the part of the rank agreement that comes from the
+    stratifying hyperparameter.
+
+    Returns
+    -------
+    dict
+        `{"tau": float, "n_pairs": int, "n_strata": int}`.
+    """
+    xa, ya = np.asarray(x, float), np.asarray(y, float)
+    lev = discretize(list(strata))
+    conc = nx = ny = 0.0
+    pairs, groups = 0, set()
+    for s in {str(v) for v in lev}:
+        idx = [i for i, v in enumerate(lev) if str(v) == s
+               and np.isfinite(xa[i]) and np.isfinite(ya[i])]
+        if len(idx) < 2:
+            continue
+        groups.add(s)
+        sx = np.sign(xa[idx][:, None] - xa[idx][None, :])
+        sy = np.sign(ya[idx][:, None] - ya[idx][None, :])
+        iu = np.triu_indices(len(idx), 1)
+        conc += float((sx * sy)[iu].sum())
+        nx += float(np.abs(sx)[iu].sum())
+        ny += float(np.abs(sy)[iu].sum())
+        pairs += len(iu[0])
+    tau = conc / math.sqrt(nx * ny) if nx > 0 and ny > 0 else math.nan
+    return {"tau": tau, "n_pairs": pairs, "n_strata": len(groups)}

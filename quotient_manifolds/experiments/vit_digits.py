@@ -9,11 +9,11 @@ shared by every member; a member trains on the first ``train_size`` images of th
 position embeddings, 2 pre-LayerNorm blocks with 4 heads of ``d_h = 8`` and a GELU MLP of
 width ``2d``, final LayerNorm and a linear head on the CLS token. The attention uses separate
 ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections (with biases), so that
-:func:`~quotient_manifolds.discover_blocks` finds 4 Q/K and 4 V/O GL(8) blocks per layer (the
+`discover_blocks` finds 4 Q/K and 4 V/O GL(8) blocks per layer (the
 bias rows of q/k/v are appended to the factors, spec §3.4; the pre-attention LayerNorm acts
 on the input and does not break the symmetry).
 
-**Population** (30 members, drawn by :func:`sample_population` with a fixed seed): AdamW
+**Population** (30 members, drawn by `sample_population` with a fixed seed): AdamW
 learning rate log-uniform in [3e-4, 3e-3], weight decay ∈ {0, 0.05, 0.3}, epochs ∈ {20, 40,
 80}, label smoothing ∈ {0, 0.1}, augmentation by random shifts of up to one pixel (on or
 off), label noise ∈ {0, 0.1, 0.2} (a fraction of the training labels replaced by a different
@@ -23,8 +23,8 @@ random class, fixed per member), train size ∈ {300, 600, 1000} and the seed. B
 noisy labels the member was fitted to. **Sharpness** is measured on the same 256 training
 images for every member (the first 256 of the pool, which every train set contains), as two
 batches of 128, with each member's own fitted labels and the plain cross-entropy (no label
-smoothing), in float64, with the suite of :mod:`~quotient_manifolds.experiments.sharpness_suite`
-at the radii :data:`RHO` (fixed before any τ was computed).
+smoothing), in float64, with the suite of `sharpness_suite`
+at the radii `RHO` (fixed before any τ was computed).
 """
 
 from __future__ import annotations
@@ -41,21 +41,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._deps import require
+from .modules import Attention, seeded
 from .sharpness_suite import (
     SUITE,
     finish_population,
     float32_default,
     measure_member,
     measure_tasks,
-    seeded,
 )
-from .store import PopulationStore, protocol_hash
+from .template import PopulationExperiment, at_minimum
 
 __all__ = [
     "NAME",
     "RHO",
     "RHO_GRID",
     "Attention",
+    "EXPERIMENT",
     "TinyViT",
     "digits_split",
     "noisy_labels",
@@ -80,31 +81,6 @@ N_POOL = 1000
 N_SHARP, SHARP_BATCH = 256, 128
 BATCH = 64
 QUICK_BATCH = 64
-
-
-class Attention(nn.Module):
-    r"""Multi-head self-attention with explicit per-head projections (with biases).
-
-    Per head ``i`` (rows ``rᵢ``): ``softmax(Qᵢ Kᵢᵀ/√d_h) Vᵢ``, concatenated and mapped by
-    ``o_proj``; the ``q_proj``/``k_proj``/``v_proj``/``o_proj`` + ``num_heads``/``head_dim``
-    layout is the one :mod:`quotient_manifolds.models.discovery` recognises.
-    """
-
-    def __init__(self, d: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, d // num_heads
-        self.q_proj = nn.Linear(d, d)
-        self.k_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
-        self.o_proj = nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        h, dh = self.num_heads, self.head_dim
-        q, k, v = (p(x).view(b, t, h, dh).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(dh), dim=-1)
-        return self.o_proj((att @ v).transpose(1, 2).reshape(b, t, d))
 
 
 class _Block(nn.Module):
@@ -199,13 +175,12 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
     return float(F.cross_entropy(logits, y)), float((logits.argmax(-1) == y).float().mean())
 
 
-@seeded
 def train_member(hyper: dict, *, steps: int | None = None) -> tuple[TinyViT, dict]:
     """Train one member (AdamW, batch 64); ``steps`` caps the number of steps (quick mode)."""
     xp, yp, xt, yt = digits_split()
     n = hyper["train_size"]
     x, y = xp[:n], noisy_labels(yp[:n], hyper["label_noise"], hyper["seed"])
-    with float32_default():
+    with float32_default(), seeded(hyper["seed"]):
         model = TinyViT()
     opt = torch.optim.AdamW(model.parameters(), lr=hyper["lr"],
                             weight_decay=hyper["weight_decay"])
@@ -257,6 +232,84 @@ def sharpness_batches(
     return [(xp[i:i + SHARP_BATCH], y[i:i + SHARP_BATCH]) for i in range(0, N_SHARP, SHARP_BATCH)]
 
 
+class VitDigitsExperiment(PopulationExperiment):
+    """The tiny-ViT digits population on the template of
+    [`PopulationExperiment`][quotient_manifolds.experiments.template.PopulationExperiment]."""
+
+    name = NAME
+
+    def hypers(self, quick):
+        return sample_population(3 if quick else N_MEMBERS)
+
+    def training(self, quick):
+        return {"optimizer": "AdamW", "batch": BATCH, "d": 32, "depth": 2, "heads": 4,
+                "mlp": "2d GELU", "patch": 2, "dtype": "float32", "split_seed": SPLIT_SEED,
+                "n_pool": N_POOL, "steps_cap": 15 if quick else None}
+
+    def train(self, ctx, hyper, quick):
+        model, meta = train_member(hyper, steps=self.training(quick)["steps_cap"])
+        return model.state_dict(), meta
+
+    def measure_protocol(self, quick):
+        grid = (1.0,) if quick else RHO_GRID
+        return {"rho": RHO, "rho_grid": list(grid), "average_rho": "rho/sqrt(D)",
+                "n_iter": 3 if quick else N_ITER, "dtype": "float64", "seed": 0,
+                "batches": f"pool images 0..{QUICK_BATCH - 1}, 1 batch" if quick else
+                f"pool images 0..{N_SHARP - 1}, {SHARP_BATCH} per batch, "
+                "member's fitted labels, plain cross-entropy",
+                "measures": {k: m.spec() for k, m in SUITE.items()}}
+
+    def measure(self, ctx, store, members, mhash, quick, progress):
+        from tqdm.auto import tqdm
+
+        prot = self.measure_protocol(quick)
+        grid = tuple(prot["rho_grid"])
+        tasks = measure_tasks(RHO, grid)
+        bar = tqdm(total=len(members) * len(tasks), desc="vit-digits: sharpness",
+                   file=sys.stderr, disable=not progress)
+        for m in members:
+            state, _ = store.load_member(m.id)
+            with float32_default():
+                model = TinyViT()
+            model.load_state_dict(state)
+            model.eval()
+            m.measures = measure_member(
+                model, _loss, sharpness_batches(m.hyper, quick=quick), rho=RHO, grid=grid,
+                n_iter=prot["n_iter"], seed=0, cached=store.load_measures(m.id, mhash),
+                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
+        bar.close()
+
+    def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
+        records = []
+        for m in members:
+            meta = m.meta
+            records.append({
+                "id": m.id, "hyper": {k: v for k, v in m.hyper.items() if k != "seed"},
+                "seed": m.hyper["seed"], "gap": meta["gap"], "loss_gap": meta["loss_gap"],
+                **{k: meta[k] for k in ("train_loss", "train_acc", "train_acc_clean_labels",
+                                        "test_loss", "test_acc")},
+                "measures": m.measures})
+        settings = {"population": {"n_members": len(members), "sampler_seed": SAMPLER_SEED,
+                                   "lr": "log-uniform [3e-4, 3e-3]",
+                                   "weight_decay": [0.0, 0.05, 0.3], "epochs": [20, 40, 80],
+                                   "label_smoothing": [0.0, 0.1], "augment": "shift <= 1 px",
+                                   "label_noise": [0.0, 0.1, 0.2],
+                                   "train_size": [300, 600, 1000]},
+                    "training": self.training(quick),
+                    "measure_protocol": self.measure_protocol(quick),
+                    "measure_protocol_hash": mhash, "quick": quick}
+        return finish_population(
+            NAME, store.dir, records, gap_name="test error - train error", rho=RHO,
+            settings=settings, second_gap=("test loss - train loss", "loss_gap"),
+            extra={"train_time_s_total": sum(m.meta["train_time_s"] for m in members),
+                   "at_minimum": at_minimum(records, {m.id: m.meta["train_acc"]
+                                                      for m in members})},
+            n_boot=200 if quick else 2000)
+
+
+EXPERIMENT = VitDigitsExperiment()
+
+
 def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
     """Train (or load) the population, measure it, write ``out/vit-digits/results.json``.
 
@@ -273,64 +326,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     Returns
     -------
     dict
-        The ``results.json`` content (schema in :mod:`quotient_manifolds.experiments.report`).
+        The ``results.json`` content (schema in `quotient_manifolds.experiments.report`).
     """
-    from tqdm.auto import tqdm
-
-    store = PopulationStore(out, NAME)
-    hypers = sample_population(3 if quick else N_MEMBERS)
-    n_iter = 3 if quick else N_ITER
-    grid = (1.0,) if quick else RHO_GRID
-    tasks = measure_tasks(RHO, grid)
-    train = {"optimizer": "AdamW", "batch": BATCH, "d": 32, "depth": 2, "heads": 4,
-             "mlp": "2d GELU", "patch": 2, "dtype": "float32", "split_seed": SPLIT_SEED,
-             "n_pool": N_POOL, "steps_cap": 15 if quick else None}
-    measure_protocol = {"rho": RHO, "rho_grid": list(grid), "average_rho": "rho/sqrt(D)",
-                        "n_iter": n_iter, "dtype": "float64", "seed": 0,
-                        "batches": f"pool images 0..{QUICK_BATCH - 1}, 1 batch" if quick else
-                        f"pool images 0..{N_SHARP - 1}, {SHARP_BATCH} per batch, "
-                                   "member's fitted labels, plain cross-entropy",
-                        "measures": {k: m.spec() for k, m in SUITE.items()}}
-    mhash = protocol_hash(measure_protocol)
-    ids = [f"m{i:02d}-{protocol_hash({**h, **train})[:8]}" for i, h in enumerate(hypers)]
-
-    def train_one(hyper):
-        model, meta = train_member(hyper, steps=train["steps_cap"])
-        return model.state_dict(), meta
-
-    store.train_missing(ids, hypers, train_one, desc="vit-digits: train", progress=progress)
-
-    bar = tqdm(total=len(hypers) * len(tasks), desc="vit-digits: sharpness",
-               file=sys.stderr, disable=not progress)
-    records = []
-    for mid, hyper in zip(ids, hypers):
-        state, meta = store.load_member(mid)
-        with float32_default():
-            model = TinyViT()
-        model.load_state_dict(state)
-        model.eval()
-        rec = {"id": mid, "hyper": {k: v for k, v in hyper.items() if k != "seed"},
-               "seed": hyper["seed"], "gap": meta["gap"], "loss_gap": meta["loss_gap"],
-               **{k: meta[k] for k in ("train_loss", "train_acc", "train_acc_clean_labels",
-                                       "test_loss", "test_acc")}}
-        rec["measures"] = measure_member(
-            model, _loss, sharpness_batches(hyper, quick=quick), rho=RHO, grid=grid,
-            n_iter=n_iter, seed=0,
-            cached=store.load_measures(mid, mhash),
-            save=functools.partial(store.save_measures, mid, mhash), bar=bar)
-        records.append(rec)
-    bar.close()
-
-    settings = {"population": {"n_members": len(hypers), "sampler_seed": SAMPLER_SEED,
-                               "lr": "log-uniform [3e-4, 3e-3]",
-                               "weight_decay": [0.0, 0.05, 0.3], "epochs": [20, 40, 80],
-                               "label_smoothing": [0.0, 0.1], "augment": "shift <= 1 px",
-                               "label_noise": [0.0, 0.1, 0.2], "train_size": [300, 600, 1000]},
-                "training": train, "measure_protocol": measure_protocol,
-                "measure_protocol_hash": mhash, "quick": quick}
-    res = finish_population(
-        NAME, store.dir, records, gap_name="test error - train error", rho=RHO,
-        settings=settings, second_gap=("test loss - train loss", "loss_gap"),
-        extra={"train_time_s_total": sum(store.load_meta(m)["train_time_s"] for m in ids)},
-        n_boot=200 if quick else 2000)
-    return res
+    return EXPERIMENT.run(out, quick=quick, progress=progress)

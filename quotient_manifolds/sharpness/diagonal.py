@@ -27,7 +27,7 @@ and the ball weights ``A`` chosen by ``ball`` (spec §5.2, §10.1, §12.7):
 ``ball``            inv                     mix
 ==================  ======================  ============================================
 ``"metric"``        ``A = √2``              ``A = √2 |β|`` (``‖ξ‖²_mix = 2‖β ⊙ b‖²``)
-``"coefficient"``   ``A = 1``               ``A = 1`` (App. E: ``‖b‖ ≤ ρ``)
+``"coefficient"``   ``A = 1``               ``A = 1`` (``‖b‖ ≤ ρ``, App. E's inv ball)
 ``"adaptive"``      ``A = √2``              ``A = √2`` (App. G ablation (a): ``‖ξ ⊘ |w|‖``)
 ==================  ======================  ============================================
 
@@ -35,6 +35,11 @@ For inv the metric norm *is* the adaptive norm (App. F), so ``"adaptive"`` = ``"
 there, and ``"coefficient"`` only rescales ρ by √2.  For mix the three differ: with the
 metric norm, ``β' − β = 2β ⊙ b`` ranges over a Euclidean ball of radius ``√2ρ`` whatever
 the model, and only the domain below depends on it.
+
+The ``"metric"`` row of mix is App. E's mix convention: App. E derives the mix closed form
+with the β-weighted norm ``‖2 D_β b‖ = √2 ‖ξ‖_mix``, i.e. the metric ball up to √2 in ρ.
+``‖b‖ ≤ ρ`` (``"coefficient"``) is App. E's *inv* convention (where it is the metric ball up
+to √2 in ρ); applied to mix it is a different ball.
 
 The mix geodesic ``u√(1 + 2b)`` needs ``1 + 2b > 0`` (spec §6.4.1), so its feasible set is
 ``𝒟 = {b_i ≥ −½ + δ}``.  The box contains 0 and is star-shaped about it, so "clamp, then
@@ -54,6 +59,15 @@ case is found by the model engine's Auto-PGD (:func:`~quotient_manifolds.sharpne
 whose state has one entry per member. The average case draws ``ρ`` times a standard Gaussian of
 the ball's norm on the horizontal space; coordinates that leave the mix domain are redrawn (a
 truncated Gaussian).
+
+**Unconstrained mix** (``domain=False``, exact mix only). The formula ``β' = β(1 + 2b)`` is a
+polynomial that can be continued past the geodesic's domain. Every ball above is diagonal in
+``b`` (``‖ξ‖² = Σ A_i² b_i²``, the weights ``A`` of the table), so with ``s = A ⊙ b`` and
+``D = diag(2β/A)``, ``β' = β + D s`` and the loss increase
+``f(s) = gᵀs + ½ sᵀ M s`` (``g = 2c D Xᵀ r``, ``M = 2c D XᵀX D``, ``r = Xβ − y``) is a convex
+quadratic on the ball ``‖s‖ ≤ ρ``: a trust-region problem, solved exactly
+(:func:`mix_trust_region`: eigendecomposition of ``M`` and the secular equation, with the
+"hard case"). The average case then draws untruncated Gaussians.
 """
 
 from __future__ import annotations
@@ -66,6 +80,7 @@ import torch
 from ..errors import InvalidRadiusError, ShapeError
 from ..manifolds import AdaptiveEuclidean, DiagonalQuotient
 from ..manifolds.base import RETRACTIONS
+from ..manifolds.diagonal import DiagonalTangentSpace
 from ..manifolds.product import ProductTangentSpace
 from .apgd import apgd
 from .feasible import AdaptiveNormBall, FeasibleSet, MetricBall
@@ -74,6 +89,7 @@ __all__ = [
     "BALLS",
     "diagonal_loss",
     "diagonal_sharpness",
+    "mix_trust_region",
     "perturb_horizontal",
 ]
 
@@ -153,6 +169,7 @@ def diagonal_sharpness(
     seed: int | Sequence[int] = 0,
     reduction: str = "half_mean",
     domain_margin: float = 1e-6,
+    domain: bool = True,
 ) -> torch.Tensor:
     r"""Sharpness of a population of diagonal networks, one value per row of ``u``, ``v``.
 
@@ -171,7 +188,8 @@ def diagonal_sharpness(
     retraction : {"exact", "second_order", "first_order"}
     ball : {"metric", "coefficient", "adaptive"}
         The radius convention (module docstring): the metric norm ``‖ξ‖_w ≤ ρ``, the
-        paper's App. E ``‖b‖ ≤ ρ``, or the adaptive norm ``‖ξ ⊘ |w|‖ ≤ ρ`` (ablation).
+        coefficient ball ``‖b‖ ≤ ρ`` (App. E's inv convention), or the adaptive norm
+        ``‖ξ ⊘ |w|‖ ≤ ρ`` (App. G ablation (a)).
     kind : {"worst", "average"}
         Auto-PGD maximum (``n_iter`` steps, zero start plus ``n_restarts`` random
         starts) or the mean over ``n_samples`` Gaussian draws.
@@ -183,6 +201,11 @@ def diagonal_sharpness(
         Loss convention (:func:`diagonal_loss`); it scales every value by the same factor.
     domain_margin : float
         ``δ`` in the mix domain ``b ≥ −½ + δ``.
+    domain : bool
+        ``False`` (exact mix only): drop the domain constraint ``1 + 2b > 0`` and continue
+        ``β(1 + 2b)`` past it (the unconstrained mix of the module docstring); the worst case
+        is then solved exactly by :func:`mix_trust_region` (``n_iter``/``n_restarts``
+        unused), the average case draws untruncated Gaussians.
 
     Returns
     -------
@@ -190,6 +213,12 @@ def diagonal_sharpness(
         ``L(perturbed) − L(u, v)`` at the maximiser (worst) or averaged (average).
     """
     _check(u, v, X, rho, measure, kind, ball, metric, retraction)
+    unconstrained = not domain
+    if unconstrained and (measure != "geodesic" or metric != "mix" or retraction != "exact"):
+        raise ValueError("domain=False only applies to the exact mix geodesic (measure="
+                         "'geodesic', metric='mix', retraction='exact')")
+    if unconstrained and kind == "worst":
+        return mix_trust_region(u, v, X, y, rho=rho, ball=ball, reduction=reduction)[0]
     dt = torch.float64
     u, v, X, y = (t.to(dt) for t in (u, v, X, y))
     B, d = u.shape
@@ -213,20 +242,14 @@ def diagonal_sharpness(
             p = w + xi
             return p[:, :d] * p[:, d:]
     else:
-        ok = (u != 0) & (v != 0)
-        M = DiagonalQuotient(metric, retraction, validate=False, domain_margin=domain_margin)
-        x0 = M.pack_point(torch.where(ok, u, 1.0), torch.where(ok, v, 1.0))
-        ts = M.at(x0)
-        space = ProductTangentSpace([ts], (B,), kinds=[retraction])
-        mask = torch.cat([ok, ok], dim=-1)
-        if ball == "metric":
-            feasible = MetricBall(space, rho, mask)
-        else:  # ‖ξ ⊘ |w|‖² = 2‖b‖²: "coefficient" (‖b‖ ≤ ρ) is the adaptive ball of radius √2ρ
-            r = rho * math.sqrt(2.0) if ball == "coefficient" else rho
-            feasible = AdaptiveNormBall(space, r, space.join([x0 * x0]), mask)
+        M, ts, feasible, ok = _geodesic_set(u, v, rho, metric, retraction, ball, domain_margin)
+        space = feasible.space
         beta0 = u * v
 
         def beta_of(xi):  # masked coordinates (u_i v_i = 0) stay at β_i
+            if unconstrained:  # β(1 + 2b) continued past 1 + 2b > 0
+                return torch.where(ok, beta0 * (1 + 2 * ts.horizontal_coefficient(
+                    space.split(xi)[0])), beta0)
             (pt,) = space.retract(xi)
             return torch.where(ok, M.invariant(pt), beta0)
 
@@ -235,8 +258,110 @@ def diagonal_sharpness(
 
     if kind == "worst":
         return _worst(increase, feasible, gens, n_iter, n_restarts)
-    domain = measure == "geodesic" and metric == "mix" and retraction == "exact"
-    return _average(increase, feasible, ts, gens, n_samples, domain, domain_margin)
+    in_domain = measure == "geodesic" and metric == "mix" and retraction == "exact" and domain
+    return _average(increase, feasible, ts, gens, n_samples, in_domain, domain_margin)
+
+
+def _geodesic_set(u: torch.Tensor, v: torch.Tensor, rho: float, metric: str, retraction: str,
+                  ball: str, domain_margin: float
+                  ) -> tuple[DiagonalQuotient, DiagonalTangentSpace, FeasibleSet, torch.Tensor]:
+    """The manifold, its tangent space at ``(u, v)`` (zeros replaced by 1), the feasible set of
+    ``ball`` on the horizontal vectors of the population and the mask ``u_i v_i ≠ 0``."""
+    B = u.shape[0]
+    ok = (u != 0) & (v != 0)
+    M = DiagonalQuotient(metric, retraction, validate=False, domain_margin=domain_margin)
+    x0 = M.pack_point(torch.where(ok, u, 1.0), torch.where(ok, v, 1.0))
+    ts = M.at(x0)
+    space = ProductTangentSpace([ts], (B,), kinds=[retraction])
+    mask = torch.cat([ok, ok], dim=-1)
+    if ball == "metric":
+        return M, ts, MetricBall(space, rho, mask), ok
+    # ‖ξ ⊘ |w|‖² = 2‖b‖²: "coefficient" (‖b‖ ≤ ρ) is the adaptive ball of radius √2ρ
+    r = rho * math.sqrt(2.0) if ball == "coefficient" else rho
+    return M, ts, AdaptiveNormBall(space, r, space.join([x0 * x0]), mask), ok
+
+
+def _coefficient_weights(feasible: FeasibleSet, ts: DiagonalTangentSpace) -> torch.Tensor:
+    r"""``A²`` of shape ``(B, d)`` with ``‖(b ⊙ u, b ⊙ v)‖² = Σ A_i² b_i²`` in the norm of the
+    feasible set (every ball of the table is diagonal in ``b``): the per-coordinate terms of
+    the squared norm of ``ξ(b = 1) = (u, v)``. The metric's terms are the inner products of
+    the one-coordinate tangent spaces at ``(u_i, v_i)`` (the metric acts coordinatewise)."""
+    u, v = ts.u, ts.v
+    if isinstance(feasible, AdaptiveNormBall):
+        a, c = ts.manifold.split(feasible.space.split(feasible.inv_w2)[0])
+        return u * u * a + v * v * c
+    M = ts.manifold
+    x = M.pack_point(u[..., None], v[..., None])  # (B, d, 2): d points of dimension one
+    return M.at(x).inner(x)
+
+
+def mix_trust_region(
+    u: torch.Tensor,
+    v: torch.Tensor,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    rho: float,
+    ball: str = "metric",
+    reduction: str = "half_mean",
+    n_bisect: int = 200,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Exact maximum of the unconstrained mix loss increase over the ball, per row.
+
+    Maximises ``f(s) = gᵀs + ½ sᵀMs`` over ``‖s‖₂ ≤ ρ`` (module docstring; ``s = A ⊙ b``
+    with the weights of the ball's norm, masked coordinates held at 0). ``M ⪰ 0``, so the
+    maximum lies on the sphere; with ``M = Q Λ Qᵀ`` and ``a = Qᵀg`` the maximiser is
+    ``z = (μ − Λ)⁻¹ a`` with ``μ > λ_max`` solving ``‖z(μ)‖ = ρ`` (bisection on
+    ``(λ_max, λ_max + ‖a‖/ρ]``, where ``‖z‖`` is decreasing), or, in the hard case
+    (``a`` orthogonal to the top eigenspace and ``‖z(λ_max)‖ < ρ``),
+    ``z = (λ_max − Λ)^+ a + τ e_max`` on the sphere.
+
+    Returns
+    -------
+    value, b : ``(B,)`` and ``(B, d)``
+        The maximal loss increase and the maximiser's horizontal coefficients ``b``
+        (the perturbed predictor is ``β(1 + 2b)``).
+    """
+    _check(u, v, X, rho, "geodesic", "worst", ball, "mix", "exact")
+    dt = torch.float64
+    u, v, X, y = (t.to(dt) for t in (u, v, X, y))
+    if reduction not in ("sum", "half_mean"):
+        raise ValueError(f"reduction must be 'sum' or 'half_mean', got {reduction!r}")
+    c = 1.0 / (2 * X.shape[0]) if reduction == "half_mean" else 1.0
+    _, ts, feasible, ok = _geodesic_set(u, v, rho, "mix", "exact", ball, 0.0)
+    radius = feasible.rho
+    A = torch.where(ok, _coefficient_weights(feasible, ts).clamp_min(0).sqrt(), 1.0)
+    beta = u * v
+    D = torch.where(ok, 2 * beta / A, 0.0)
+    r = beta @ X.T - y
+    g = 2 * c * D * (r @ X)
+    Mq = 2 * c * D[:, :, None] * (X.T @ X) * D[:, None, :]
+    lam, Q = torch.linalg.eigh(Mq)
+    a = torch.einsum("bij,bi->bj", Q, g)
+    lmax = lam[:, -1:]
+    scale = lam.abs().amax(-1, keepdim=True).clamp_min(1.0)
+    top = lam >= lmax - 1e-12 * scale
+    anorm = a.norm(dim=-1, keepdim=True)
+    # hard case: no weight on the top eigenspace and the interior point inside the ball
+    gap = torch.where(top, torch.ones_like(lam), lmax - lam)
+    z0 = torch.where(top, torch.zeros_like(a), a / gap)
+    a_top = torch.where(top, a, torch.zeros_like(a)).norm(dim=-1)
+    hard = (a_top <= 1e-12 * anorm.squeeze(-1).clamp_min(1e-300)) & (z0.norm(dim=-1) <= radius)
+    lo = torch.zeros_like(lmax)
+    hi = anorm / radius + 1e-300
+    for _ in range(n_bisect):
+        mid = 0.5 * (lo + hi)
+        too_long = (a / (mid + lmax - lam)).norm(dim=-1, keepdim=True) > radius
+        lo = torch.where(too_long, mid, lo)
+        hi = torch.where(too_long, hi, mid)
+    z = a / (hi + lmax - lam)
+    fill = (radius**2 - (z0 * z0).sum(-1, keepdim=True)).clamp_min(0.0).sqrt()
+    e_top = torch.zeros_like(a)
+    e_top[:, -1] = 1.0
+    z = torch.where(hard[:, None], z0 + fill * e_top, z)
+    value = (a * z).sum(-1) + 0.5 * (lam * z * z).sum(-1)
+    s = torch.einsum("bij,bj->bi", Q, z)
+    return value, torch.where(ok, s / A, 0.0)
 
 
 def _worst(increase, feasible: FeasibleSet, gens, n_iter: int, n_restarts: int) -> torch.Tensor:

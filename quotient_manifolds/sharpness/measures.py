@@ -142,6 +142,8 @@ MEASURES: dict[str, Measure] = _table(
                 doc=f"App. G ablation (b): {metric}, no second-order term (w + ξ)"),
         Measure(f"geodesic-{metric}-average", _geodesic(metric), kind="average",
                 doc=f"average case: Gaussian ξ of the {metric} metric on the horizontal space"),
+        Measure(f"geodesic-{metric}-full-average", _geodesic(metric, "full"), kind="average",
+                doc=f"average case of geodesic-{metric}-full (every recognised symmetry)"),
     )),
     Measure("adaptive-average", _ADAPTIVE, kind="average",
             doc="average case of adaptive sharpness: δ = ρ|w| ⊙ N(0, I)"),
