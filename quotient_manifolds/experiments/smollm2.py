@@ -211,7 +211,6 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     """Measure SmolLM2 (cached per measure); write `out/smollm2/results.json`."""
     import quotient_manifolds as qm
 
-    torch.set_num_threads(1)
     t0 = time.perf_counter()
     s = {**SETTINGS, **(QUICK if quick else {})}
     measures = _measures(s["measures"])
