@@ -570,6 +570,26 @@ def test_no_example_input_is_a_fallback():
     assert folds == [] and "example_inputs=" in fallbacks[0].reason
 
 
+def test_nothing_to_fold_needs_no_example_input():
+    """No norm layer and no bias row in a block: no fold can exist, so a model without a known
+    input gets no fold fallback (and no warning); with a bias row it does."""
+
+    class NoBias(nn.Module):
+        def __init__(self, bias):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, bias=bias, batch_first=True)
+
+        def forward(self, x, y):
+            return self.attn(x, y, y)[0]
+
+    for bias in (False, True):
+        model = NoBias(bias).double()
+        blocks = qm.discover_blocks(model, symmetry="paper", probe=False)
+        assert len(blocks) == 2
+        folds, fallbacks = find_folds(model, blocks)
+        assert folds == [] and len(fallbacks) == int(bias)
+
+
 def test_no_comparable_output_is_a_fallback():
     """A probe needs finite floating-point outputs: without them nothing is claimed."""
 

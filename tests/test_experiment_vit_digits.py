@@ -21,10 +21,10 @@ def quick(tmp_path_factory):
 
 def test_blocks_four_qk_and_four_vo_per_layer():
     model = vit_digits.TinyViT()
-    blocks = qm.discover_blocks(model)
+    blocks = qm.discover_blocks(model, symmetry="paper")  # the reproduction's measure
     assert sorted((b.module, b.kind, b.heads, b.h) for b in blocks) == [
         (f"blocks.{i}.attn", k, 4, 8) for i in (0, 1) for k in ("attention.qk", "attention.vo")]
-    # q/k/v biases are appended rows of the factors (spec §3.4): n = d + 1
+    # q/k/v biases are appended rows of the factors (paper App. A): n = d + 1
     assert all(b.n == 33 for b in blocks)
 
 

@@ -1251,7 +1251,8 @@ def find_folds(
     has_norm = any(_is_norm(m) for m in model.modules())
     inputs = example_inputs if example_inputs is not None else _default_inputs(model, gen)
     if inputs is None:
-        if has_norm or blocks:
+        # only norm layers and bias rows of the blocks can fold: without either, nothing is lost
+        if has_norm or any(q.layout == "bias" for b in blocks for q in (*b.G, *b.H)):
             return [], [_fallback("", "folds", (
                 "no example input is known for this model, so norm gains and bias "
                 "translations cannot be probed and are not removed; pass "
