@@ -1248,16 +1248,17 @@ def find_folds(
         not removed, with the reason.
     """
     gen = torch.Generator().manual_seed(seed)
-    has_norm = any(_is_norm(m) for m in model.modules())
+    # only norm layers and bias rows of the blocks can fold: without either there is nothing
+    # to probe (and nothing to report)
+    if not (any(_is_norm(m) for m in model.modules())
+            or any(q.layout == "bias" for b in blocks for q in (*b.G, *b.H))):
+        return [], []
     inputs = example_inputs if example_inputs is not None else _default_inputs(model, gen)
     if inputs is None:
-        # only norm layers and bias rows of the blocks can fold: without either, nothing is lost
-        if has_norm or any(q.layout == "bias" for b in blocks for q in (*b.G, *b.H)):
-            return [], [_fallback("", "folds", (
-                "no example input is known for this model, so norm gains and bias "
-                "translations cannot be probed and are not removed; pass "
-                "example_inputs=(args, kwargs)"))]
-        return [], []
+        return [], [_fallback("", "folds", (
+            "no example input is known for this model, so norm gains and bias "
+            "translations cannot be probed and are not removed; pass "
+            "example_inputs=(args, kwargs)"))]
     try:
         p = _Prober(model, _normalize_inputs(inputs), seed)
     except Exception as e:  # noqa: BLE001 - any failure of the user's forward pass
