@@ -25,18 +25,26 @@ or replaces a bias row by zero, while a group element multiplies the factors fro
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..errors import BlockSpecError
 from .blocks import BlockSpec, FactorPart, claimed_mask, gather_block, scatter_block
+from .probe import (
+    PROBE_RTOL,
+    _cast_tree,
+    _device,
+    _no_fastpath,
+    example_inputs,
+    float64_copy,
+    float64_internals,
+    normalize_inputs,
+)
 
 __all__ = [
     "PROBE_RTOL",
@@ -48,12 +56,9 @@ __all__ = [
     "ValueBiasFold",
     "apply_folds",
     "find_folds",
-    "float64_internals",
-    "strip_frozen",
 ]
 
 #: Relative output change (max |Δ| / max |output|, float64) under which a probe passes.
-PROBE_RTOL = 1e-10
 
 Params = Mapping[str, torch.Tensor]
 
@@ -535,55 +540,6 @@ def apply_folds(
     return out, frozen
 
 
-def strip_frozen(
-    blocks: Iterable[BlockSpec], frozen: Mapping[str, torch.Tensor], params: Params
-) -> list[BlockSpec]:
-    """The blocks without the factor parts whose entries are all frozen.
-
-    A frozen part (the dead key bias row of a Q/K block, the folded value-bias row of a V/O
-    block) is fixed at zero at the canonical point and must not be perturbed, so it leaves the
-    factor: the returned blocks are resolved against `params` (new `n`, `m`).
-
-    Raises
-    ------
-    BlockSpecError
-        A part is only partly frozen, or a factor would lose every part.
-    """
-    out = []
-    for b in blocks:
-        sides = []
-        for side in (b.G, b.H):
-            keep = []
-            for part in side:
-                mask = frozen.get(part.param)
-                if mask is None:
-                    keep.append(part)
-                    continue
-                covered = claimed_mask(_part_block(part, b.heads, b.h), params)[part.param]
-                hit = mask & covered
-                if not bool(hit.any()):
-                    keep.append(part)
-                elif bool((hit == covered).all()):
-                    continue
-                else:
-                    raise BlockSpecError(
-                        f"part {part.param!r} ({part.layout}, offset {part.offset}) of the "
-                        f"{b.kind} block at {b.module!r} is partly frozen by a fold; declare "
-                        "the block with the frozen entries in a separate part"
-                    )
-            if not keep:
-                raise BlockSpecError(
-                    f"every part of a factor of the {b.kind} block at {b.module!r} is frozen "
-                    "by a fold; the block cannot be perturbed"
-                )
-            sides.append(tuple(keep))
-        if sides[0] == b.G and sides[1] == b.H:
-            out.append(b)
-        else:
-            out.append(replace(b, G=sides[0], H=sides[1], n=0, m=0).resolved(params))
-    return out
-
-
 # -- probing -------------------------------------------------------------------------------------
 _NORM_NAME = re.compile(r"(layer|rms).?norm", re.IGNORECASE)
 
@@ -623,133 +579,23 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 
-def _to64(x):
-    if isinstance(x, torch.Tensor):
-        return x.to(torch.float64) if x.is_floating_point() else x
-    if isinstance(x, Mapping):
-        return type(x)({k: _to64(v) for k, v in x.items()}) if isinstance(x, dict) else {
-            k: _to64(v) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to64(v) for v in x)
-    return x
-
-
-def _to_device(x, device):
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, Mapping):
-        return {k: _to_device(v, device) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_to_device(v, device) for v in x)
-    return x
-
-
-def _normalize_inputs(x) -> tuple[tuple, dict]:
-    """`(args, kwargs)` from an input given as a tensor, a dict, a tuple or `(args, kwargs)`."""
-    if isinstance(x, torch.Tensor):
-        return (x,), {}
-    if isinstance(x, Mapping):
-        return (), dict(x)
-    if (isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], (tuple, list))
-            and isinstance(x[1], Mapping)):
-        return tuple(x[0]), dict(x[1])
-    if isinstance(x, (tuple, list)):
-        return tuple(x), {}
-    return (x,), {}
-
-
 def _default_inputs(model: nn.Module, generator: torch.Generator) -> tuple[tuple, dict] | None:
-    """A small input for the model, if it describes one (Hugging Face or timm)."""
+    """A small input for the model
+    ([`example_inputs`][quotient_manifolds.models.probe.example_inputs]), or None."""
     try:
-        from .probe import example_inputs  # the shared probe helpers, where present
-    except ImportError:
-        example_inputs = None
-    if example_inputs is not None:
-        try:
-            return example_inputs(model, generator)
-        except Exception:  # noqa: BLE001 - fall back on the local guess below
-            pass
-    cfg = getattr(model, "config", None)
-    name = getattr(model, "main_input_name", None)
-    kw: dict = {}
-    if cfg is not None and name == "input_ids":
-        vocab = getattr(cfg, "vocab_size", None) or getattr(
-            getattr(cfg, "text_config", None), "vocab_size", None)
-        if not vocab:
-            return None
-        kw["input_ids"] = torch.randint(0, int(vocab), (2, 7), generator=generator)
-    elif cfg is not None and name == "pixel_values":
-        size = getattr(cfg, "image_size", None)
-        ch = getattr(cfg, "num_channels", 3)
-        if not size:
-            return None
-        size = size if isinstance(size, (tuple, list)) else (size, size)
-        kw["pixel_values"] = torch.randn(2, ch, *size, generator=generator)
-    elif cfg is not None and name == "input_features":
-        mel = getattr(cfg, "num_mel_bins", None)
-        pos = getattr(cfg, "max_source_positions", None)
-        if not (mel and pos):
-            return None
-        kw["input_features"] = torch.randn(2, mel, 2 * pos, generator=generator)
-    elif cfg is None and (hasattr(model, "pretrained_cfg") or hasattr(model, "patch_embed")):
-        size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size")  # timm
-        pe = getattr(model, "patch_embed", None)
-        img = getattr(pe, "img_size", None)
-        proj = getattr(pe, "proj", None)
-        if img is not None and isinstance(proj, nn.Conv2d):  # the size the model was built for
-            size = (proj.in_channels, *img)
-        if not size:
-            return None
-        return (torch.randn(2, *size, generator=generator),), {}
-    else:
+        return example_inputs(model, generator)
+    except Exception:  # noqa: BLE001 - no input is known for this model
         return None
-    if getattr(cfg, "is_encoder_decoder", False):
-        vocab = getattr(cfg, "vocab_size", 2)
-        kw["decoder_input_ids"] = torch.randint(0, int(vocab), (2, 5), generator=generator)
-    return (), kw
-
-
-_LOW = (torch.float32, torch.float16, torch.bfloat16)
-_CASTS = {torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16}
-
-
-class float64_internals(torch.overrides.TorchFunctionMode):
-    """Keep float64 tensors in float64 inside a forward pass (a context manager).
-
-    Many models normalise or take the softmax in float32 whatever their dtype (Hugging Face's
-    RMSNorm casts to float32, eager attention takes `softmax(…, dtype=torch.float32)`); in a
-    float64 copy these casts flip float32 roundings under any change of the weights, and a
-    change of about $10^{-7}$ would hide whether a transformation is a symmetry.  Inside this
-    context, casts of float64 tensors to a lower float precision (`.to(...)`, `.float()`,
-    `.half()`, `.bfloat16()`, `.type_as(...)`, `dtype=` arguments) keep float64; nothing else
-    changes.  The probes run in it.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        wide = any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args)
-        if wide:
-            if func in _CASTS and args[0].dtype == torch.float64:
-                return args[0]
-            if func is torch.Tensor.type_as and args[1].dtype in _LOW:
-                return args[0] if args[0].dtype == torch.float64 else func(*args, **kwargs)
-            if func is torch.Tensor.to and args[0].dtype == torch.float64:
-                args = tuple(torch.float64 if (isinstance(a, torch.dtype) and a in _LOW) else a
-                             for a in args)
-                if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].dtype in _LOW:
-                    args = (args[0], args[1].device, torch.float64, *args[2:])
-            if kwargs.get("dtype") in _LOW:
-                kwargs["dtype"] = torch.float64
-        return func(*args, **kwargs)
 
 
 class _Prober:
     """A float64 copy of a model, one traced forward pass, and function-preservation probes."""
 
     def __init__(self, model: nn.Module, inputs: tuple[tuple, dict], seed: int = 0) -> None:
-        self.model = copy.deepcopy(model).to(torch.float64).eval()
-        dev = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        args, kwargs = _to64(_to_device(inputs[0], dev)), dict(_to64(_to_device(inputs[1], dev)))
+        self.model = float64_copy(model)  # without the user's hooks
+        dev = _device(self.model)
+        args = _cast_tree(tuple(inputs[0]), torch.float64, dev)
+        kwargs = _cast_tree(dict(inputs[1]), torch.float64, dev)
         try:
             if "use_cache" in inspect.signature(self.model.forward).parameters:
                 kwargs.setdefault("use_cache", False)
@@ -787,33 +633,19 @@ class _Prober:
 
         for name, m in self.model.named_modules():
             hooks.append(m.register_forward_hook(hook(name), with_kwargs=True))
-        fast = getattr(torch.backends, "mha", None)
-        prev = fast.get_fastpath_enabled() if fast is not None else None
         try:
-            if fast is not None:
-                fast.set_fastpath_enabled(False)  # the fused path calls no submodule
-            with float64_internals():
+            with _no_fastpath(), float64_internals():  # the fused path calls no submodule
                 out = self.model(*self.args, **self.kwargs)
         finally:
             for hk in hooks:
                 hk.remove()
-            if fast is not None:
-                fast.set_fastpath_enabled(prev)
         return [t.detach() for t in _tensors(out)]
 
     def run(self, params: Params) -> list[torch.Tensor]:
         d = dict(params)
         d.update(self.buffers)
-        fast = getattr(torch.backends, "mha", None)
-        prev = fast.get_fastpath_enabled() if fast is not None else None
-        try:
-            if fast is not None:
-                fast.set_fastpath_enabled(False)
-            with torch.no_grad(), float64_internals():
-                out = torch.func.functional_call(self.model, d, self.args, self.kwargs)
-        finally:
-            if fast is not None:
-                fast.set_fastpath_enabled(prev)
+        with torch.no_grad(), _no_fastpath(), float64_internals():
+            out = torch.func.functional_call(self.model, d, self.args, self.kwargs)
         return [t.detach() for t in _tensors(out)]
 
     def change(self, params: Params) -> float:
@@ -926,12 +758,8 @@ class _Prober:
         hooks.append(self.modules[norm].register_forward_hook(post))
         for name in mods:
             hooks.append(self.modules[name].register_forward_pre_hook(pre, with_kwargs=True))
-        fast = getattr(torch.backends, "mha", None)
-        prev = fast.get_fastpath_enabled() if fast is not None else None
         try:
-            if fast is not None:
-                fast.set_fastpath_enabled(False)
-            with torch.enable_grad(), float64_internals():
+            with torch.enable_grad(), _no_fastpath(), float64_internals():
                 d = {n: p.detach() for n, p in self.params.items()}
                 d.update(self.buffers)
                 out = _tensors(torch.func.functional_call(self.model, d, self.args,
@@ -949,8 +777,6 @@ class _Prober:
         finally:
             for hk in hooks:
                 hk.remove()
-            if fast is not None:
-                fast.set_fastpath_enabled(prev)
         return g is None or not bool(g.abs().max() > 0)
 
     def offset(self, name: str, m: nn.Module, args, kwargs) -> float | None:
@@ -1223,7 +1049,7 @@ def find_folds(
     * the `q_norm`/`k_norm` pair of an attention module (Qwen3, OLMo2, Gemma3, timm).
 
     Each candidate is kept only if a random element of its group leaves every output of the
-    copy unchanged to [`PROBE_RTOL`][quotient_manifolds.models.canonical.PROBE_RTOL]
+    copy unchanged to [`PROBE_RTOL`][quotient_manifolds.models.probe.PROBE_RTOL]
     (relative).  At the end, all kept folds together are probed once more, and the canonical
     point is checked to compute the same function.
 
@@ -1260,7 +1086,7 @@ def find_folds(
             "translations cannot be probed and are not removed; pass "
             "example_inputs=(args, kwargs)"))]
     try:
-        p = _Prober(model, _normalize_inputs(inputs), seed)
+        p = _Prober(model, normalize_inputs(inputs), seed)
     except Exception as e:  # noqa: BLE001 - any failure of the user's forward pass
         return [], [_fallback("", "folds", (
             f"the model failed on the example input ({type(e).__name__}: {e}), so no fold can "
