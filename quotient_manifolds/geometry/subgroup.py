@@ -233,7 +233,8 @@ class Subalgebra:
 
         The explicit basis matrices first, then $E_{ab}$ for $a, b \\in F$.
         """
-        lay = _layout_on(self, torch.device(device) if device is not None else torch.device("cpu"))
+        lay = _layout_on(self, torch.device(device) if device is not None
+                         else torch.get_default_device())
         h = self.h
         parts = [_embed(lay, torch.eye(lay.d, dtype=GRAM_DTYPE, device=lay.rows.device), h)]
         if lay.f:
