@@ -8,7 +8,6 @@ uniform and hides errors.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import warnings
 from collections import Counter
@@ -18,7 +17,6 @@ import torch
 from torch import nn
 
 import quotient_manifolds as qm
-from quotient_manifolds.errors import BlockSpecError
 from quotient_manifolds.models.blocks import FactorPart, gather_block
 from quotient_manifolds.models.canonical import (
     PROBE_RTOL,
@@ -27,12 +25,11 @@ from quotient_manifolds.models.canonical import (
     QKNormScaleFold,
     ValueBiasFold,
     _tensors,
-    _to64,
     apply_folds,
     find_folds,
-    float64_internals,
-    strip_frozen,
 )
+from quotient_manifolds.models.discovery import strip_frozen
+from quotient_manifolds.models.probe import _cast_tree, example_inputs, float64_internals
 from quotient_manifolds.models.reparam import transform_params
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*|.*bos_token_id.*")
@@ -220,17 +217,9 @@ ZOO = {
 }
 
 
-# discovery without GPT-2's transposed Conv1D layout finds no attention block there, hence no
-# key- or value-bias candidate
-BEFORE_DISCOVERY = {"gpt2_tied": {"key_bias": 0, "value_bias": 0},
-                    "gpt2_untied": {"key_bias": 0, "value_bias": 0}}
-
-
 def _inputs(model, ex):
-    from quotient_manifolds.models.canonical import _default_inputs
-
-    ex = ex if ex is not None else _default_inputs(model, torch.Generator().manual_seed(1))
-    return _to64(ex)
+    ex = ex if ex is not None else example_inputs(model, torch.Generator().manual_seed(1))
+    return _cast_tree(ex, torch.float64, None)
 
 
 def _outputs(model, ex):
@@ -255,28 +244,27 @@ def _load(model, params):
 
 
 _CACHE: dict = {}
-_SYMMETRIES = "symmetry" in inspect.signature(qm.models.discover).parameters
 FOLD_FALLBACKS = ("norm", "qk_norm", "folds")
 
 
 def _symmetries(model, ex=None):
-    """(blocks, folds, fold fallbacks) as discovery finds them: through `discover` where it
-    returns a `Symmetries` record (blocks stripped of the frozen rows), else `find_folds` on
-    the discovered blocks."""
-    if _SYMMETRIES:
-        sym = qm.models.discover(model, warn=False, example_inputs=ex)
-        return (list(sym.blocks), list(sym.folds),
-                [f for f in sym.fallbacks if f.kind in FOLD_FALLBACKS])
-    blocks = qm.discover_blocks(model, warn=False)
-    folds, fallbacks = find_folds(model, blocks, example_inputs=ex)
-    return blocks, folds, fallbacks
+    """(blocks, folds, fold fallbacks) as `discover` finds them (blocks stripped of the frozen
+    rows)."""
+    sym = qm.models.discover(model, warn=False, example_inputs=ex)
+    return (list(sym.blocks), list(sym.folds),
+            [f for f in sym.fallbacks if f.kind in FOLD_FALLBACKS])
 
 
 def _paper_blocks(model):
     """The GL(h) blocks of the paper's measure, bias rows included."""
-    if _SYMMETRIES:
-        return list(qm.models.discover(model, symmetry="paper", warn=False).blocks)
-    return qm.discover_blocks(model, warn=False)
+    return list(qm.models.discover(model, symmetry="paper", warn=False).blocks)
+
+
+def _strip(blocks, frozen, params):
+    """The blocks without their frozen parts (none may be dropped here)."""
+    out, dropped = strip_frozen(blocks, frozen, params)
+    assert not dropped, dropped
+    return out
 
 
 def _setup(name):
@@ -293,7 +281,7 @@ def _setup(name):
 @pytest.mark.parametrize("name", list(ZOO))
 def test_find_folds_finds_exactly_the_expected_folds(name):
     _, _, _, folds, fallbacks = _setup(name)
-    expected = ZOO[name][2] if _SYMMETRIES else {**ZOO[name][2], **BEFORE_DISCOVERY.get(name, {})}
+    expected = ZOO[name][2]
     assert dict(Counter(f.kind for f in folds)) == {k: v for k, v in expected.items() if v}
     assert [fb.module for fb in fallbacks] == ZOO[name][3]
     order = [type(f) for f in folds]
@@ -405,7 +393,7 @@ def test_reparametrize_full_group(name):
     model, ex, blocks, folds, _ = _setup(name)
     P = _params(model)
     can, frozen = apply_folds(folds, P)
-    stripped = strip_frozen(blocks, frozen, can)
+    stripped = _strip(blocks, frozen, can)
     for a, seed in ((1e-2, 4), (1.0, 5), (1e2, 6)):
         moved = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(seed),
                                  example_inputs=ZOO[name][1])
@@ -618,7 +606,7 @@ def test_strip_frozen_removes_the_key_and_value_bias_rows():
     blocks = _paper_blocks(model)  # nn.MultiheadAttention: the same blocks, bias rows in
     P = _params(model)
     can, frozen = apply_folds(folds, P)
-    stripped = strip_frozen(blocks, frozen, can)
+    stripped = _strip(blocks, frozen, can)
     for b, s in zip(blocks, stripped, strict=True):
         if b.kind == "attention.qk":
             assert (s.n, s.m) == (b.n, b.m - 1)  # the query bias stays, the key bias goes
@@ -628,8 +616,11 @@ def test_strip_frozen_removes_the_key_and_value_bias_rows():
                    for p in s.G + s.H if s.kind == "attention.qk")
     half = {"enc.layers.0.self_attn.in_proj_bias": torch.zeros(48, dtype=torch.bool)}
     half["enc.layers.0.self_attn.in_proj_bias"][16:20] = True
-    with pytest.raises(BlockSpecError, match="partly frozen"):
-        strip_frozen(blocks, half, P)
+    kept, dropped = strip_frozen(blocks, half, P)  # a partly frozen part: its block is dropped
+    hit = ("enc.layers.0.self_attn", "attention.qk")
+    assert [(f.module, f.kind) for f in dropped] == [hit]
+    assert "part is not" in dropped[0].reason
+    assert kept == [b for b in blocks if (b.module, b.kind) != hit]
 
 
 def test_fold_records_are_hashable_and_describe_themselves():
@@ -657,43 +648,6 @@ def _data(name):
              torch.randint(0, 3, (3,), generator=g))]
 
 
-_SEAM = hasattr(qm, "Geometry")
-
-
-def _prototype_full(model, metric, data):
-    """The full-group measure built from today's engine: the measure of a copy loaded with the
-    canonical point, with the frozen rows stripped from the blocks."""
-    blocks = qm.discover_blocks(model, warn=False)
-    folds, _ = find_folds(model, blocks)
-    can, frozen = apply_folds(folds, _params(model))
-    return qm.geodesic_sharpness(_load(model, can), _loss_cls, data, rho=0.1, metric=metric,
-                                 n_iter=5, progress=False,
-                                 blocks=strip_frozen(blocks, frozen, can)).value
-
-
-@pytest.mark.skipif(_SEAM, reason="the engine evaluates the full measure itself (next test)")
-@pytest.mark.parametrize("name", ["bert", "timm_vit"])
-@pytest.mark.parametrize("metric", ["inv", "mix"])
-def test_prototype_full_measure_is_invariant_paper_measure_moves(name, metric):
-    model, _, blocks, folds, _ = _setup(name)
-    data = _data(name)
-    ref = _prototype_full(model, metric, data)
-    paper_ref = qm.geodesic_sharpness(model, _loss_cls, data, rho=0.1, metric=metric, n_iter=5,
-                                      progress=False).value
-    moves = []
-    for a, seed in ((1e-2, 1), (1e2, 2)):
-        gen = torch.Generator().manual_seed(seed)
-        full = qm.reparametrize(model, a=a, generator=gen)
-        assert abs(_prototype_full(full, metric, data) / ref - 1) <= 1e-6
-        folded = _load(model, transform_params(_params(model), [], folds, a=a,
-                                               generator=torch.Generator().manual_seed(seed)))
-        paper = qm.geodesic_sharpness(folded, _loss_cls, data, rho=0.1, metric=metric, n_iter=5,
-                                      progress=False).value
-        moves.append(abs(paper / paper_ref - 1))
-    assert max(moves) > 1e-2
-
-
-@pytest.mark.skipif(not _SEAM, reason="awaiting the seam merge")
 @pytest.mark.parametrize("name", ["bert", "timm_vit", "gpt2_untied", "llama_gqa", "qwen3"])
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_full_measure_invariant_paper_measure_moves(name, metric):
@@ -762,7 +716,7 @@ def test_gqa_value_bias_folds_through_every_output_block():
                                  blocks=blocks)
         assert _rel(_outputs(model, ex), _outputs(moved, ex)) <= PROBE_RTOL
         can_m = apply_folds(folds, _params(moved))[0]
-        for b in strip_frozen(blocks, frozen, can):
+        for b in _strip(blocks, frozen, can):
             x, y = gather_block(b, can), gather_block(b, can_m)
             torch.testing.assert_close(x[:, : b.n] @ x[:, b.n :].mT,
                                        y[:, : b.n] @ y[:, b.n :].mT, rtol=1e-10, atol=1e-12)
@@ -779,7 +733,7 @@ def test_transform_with_stripped_blocks_moves_the_value_bias_along(name):
     blocks = _paper_blocks(model)  # no rotary or grouped heads here: the blocks, bias rows in
     P = _params(model)
     can, frozen = apply_folds(folds, P)
-    stripped = strip_frozen(blocks, frozen, can)
+    stripped = _strip(blocks, frozen, can)
     assert stripped != blocks
     moved = transform_params(P, stripped, folds, a=2.0, generator=torch.Generator().manual_seed(0))
     assert _rel(_outputs(model, ex), _outputs(_load(model, moved), ex)) <= PROBE_RTOL

@@ -1,11 +1,9 @@
 """GLQuotient(subalgebra=...) through the public class: geoopt contract, optimizers, retractions.
 
 The kernels are tested in ``test_subgroup.py``; these tests check the wiring of the manifold
-class (and its frozen tangent spaces ``M.at(x)``) to them.  They are skipped until
-``GLQuotient`` accepts ``subalgebra=``.
+class (and its frozen tangent spaces ``M.at(x)``) to them.
 """
 
-import inspect
 import math
 
 import geoopt
@@ -19,10 +17,6 @@ from quotient_manifolds.errors import ShapeError
 from quotient_manifolds.geometry import gl
 from quotient_manifolds.geometry import subgroup as sg
 from quotient_manifolds.manifolds.checks import metric_tensor, reference_geodesic
-
-if "subalgebra" not in inspect.signature(qm.GLQuotient.__init__).parameters:
-    pytest.skip("awaiting the seam merge: GLQuotient has no subalgebra= yet",
-                allow_module_level=True)
 
 RC = sg.RotaryCommutant
 SUBS = {"rope4": RC.rotate_half(4), "partial": RC.rotate_half(4, 2),
@@ -123,8 +117,6 @@ def test_gradient_identity_and_equivariance(sub, metric):
 
 @pytest.mark.parametrize("metric", ["inv", "mix"])
 def test_frozen_tangent_space_uses_the_subgroup(sub, metric):
-    if not hasattr(qm.GLQuotient, "at"):
-        pytest.skip("awaiting the seam merge: no M.at(x)")
     gen = torch.Generator().manual_seed(3)
     M = manifold(sub, metric)
     x = point(M, gen)

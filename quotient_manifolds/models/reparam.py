@@ -19,7 +19,6 @@ invariant must give the same value on the copy.
 from __future__ import annotations
 
 import copy
-import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
@@ -29,11 +28,9 @@ from torch import nn
 from ..geometry.linalg import transpose
 from .blocks import BlockSpec, gather_block, scatter_block
 from .canonical import Fold, ValueBiasFold, find_folds
-from .discovery import discover
+from .discovery import SYMMETRIES, discover
 
 __all__ = ["SYMMETRIES", "reparametrize", "transform_params"]
-
-SYMMETRIES = ("full", "paper")
 
 
 def _symmetries(
@@ -51,15 +48,9 @@ def _symmetries(
         folds = find_folds(model, bl, example_inputs=example_inputs)[0] if (
             symmetry == "full") else []
         return bl, folds
-    sig = inspect.signature(discover).parameters
-    if "symmetry" in sig:  # discovery returns a Symmetries record
-        kw = {"example_inputs": example_inputs} if "example_inputs" in sig else {}
-        sym = discover(model, symmetry=symmetry, declared=declared, warn=False, **kw)
-        return list(sym.blocks), list(getattr(sym, "folds", ()))
-    bl = discover(model, declared=declared, warn=False)[0]
-    folds = find_folds(model, bl, example_inputs=example_inputs)[0] if (
-        symmetry == "full") else []
-    return bl, folds
+    sym = discover(model, symmetry=symmetry, declared=declared, warn=False,
+                   example_inputs=example_inputs)
+    return list(sym.blocks), list(sym.folds)
 
 
 def _with_fold_rows(
