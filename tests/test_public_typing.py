@@ -11,28 +11,6 @@ from collections.abc import Callable, Iterator
 
 import quotient_manifolds as qm
 
-# Public names of this wave's engine rework that are not annotated yet; each entry must still
-# exist and still lack an annotation (the test says when to drop it).
-PENDING = {
-    "quotient_manifolds.manifolds.base.QuotientManifold.random",
-    "quotient_manifolds.manifolds.base.QuotientManifold.origin",
-    "quotient_manifolds.manifolds.checks.metric_tensor",
-    "quotient_manifolds.manifolds.checks.christoffel_from_metric",
-    "quotient_manifolds.manifolds.checks.reference_geodesic",
-    "quotient_manifolds.models.canonical.find_folds",
-    "quotient_manifolds.sharpness.engine.adaptive_sharpness",
-    "quotient_manifolds.sharpness.engine.geodesic_sharpness",
-    "quotient_manifolds.sharpness.distributed.ShardContext.split",
-    "quotient_manifolds.sharpness.distributed.ShardContext.evaluator",
-    "quotient_manifolds.sharpness.distributed.default_split",
-    "quotient_manifolds.sharpness.distributed.resolve_shard",
-    "quotient_manifolds.sharpness.landscape.slice_1d",
-    "quotient_manifolds.sharpness.landscape.slice_2d",
-    *(f"quotient_manifolds.sharpness.tangent_ball.TangentBall.{m}" for m in (
-        "__init__", "inner", "proju", "egrad2rgrad", "projx", "retr", "expmap", "transp",
-        "retr_transp", "expmap_transp", "origin", "random")),
-}
-
 
 def _public() -> Iterator[tuple[str, Callable]]:
     mods = [qm] + [importlib.import_module(m.name)
@@ -69,6 +47,4 @@ def test_public_functions_are_fully_annotated():
     found = dict(_public())
     assert len(found) > 200  # the walk sees the library
     bad = {name: _missing(f) for name, f in found.items() if _missing(f)}
-    assert sorted(set(bad) - PENDING) == [], {k: bad[k] for k in set(bad) - PENDING}
-    done = sorted(PENDING - set(bad))
-    assert done == [], f"annotated or removed now: drop them from PENDING: {done}"
+    assert bad == {}, bad

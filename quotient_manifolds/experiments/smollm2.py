@@ -37,9 +37,12 @@ import os
 import statistics
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import QuotientManifoldError
 from ..models.probe import float64_internals
@@ -123,7 +126,7 @@ def model_dir() -> Path:
     return path
 
 
-def load_model(dtype: torch.dtype = torch.float32):
+def load_model(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
     """`(model, tokenizer)`: SmolLM2-135M-Instruct dequantised from its GGUF file, eval mode,
     eager attention, in `dtype`; offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -142,7 +145,7 @@ def load_model(dtype: torch.dtype = torch.float32):
     return model.to(dtype).eval(), tok
 
 
-def make_batches(tokenizer, n_batches: int, batch_size: int, seq_len: int) -> list[dict]:
+def make_batches(tokenizer: Any, n_batches: int, batch_size: int, seq_len: int) -> list[dict]:
     """`n_batches` batches `{"input_ids", "labels"}` of `batch_size × seq_len` tokens.
 
     The sentences are tokenised as one stream (each followed by the end-of-text token) and
@@ -166,7 +169,7 @@ def make_batches(tokenizer, n_batches: int, batch_size: int, seq_len: int) -> li
     return [{"input_ids": x, "labels": x.clone()} for x in ids]
 
 
-def loss_fn(model, batch) -> torch.Tensor:
+def loss_fn(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Next-token cross-entropy on the batch (mean over the predicted tokens), in the model's
     dtype (the model's own `labels=` loss would compute it in float32 even for a float64
     model, which hides differences below $10^{-7}$)."""
@@ -175,7 +178,8 @@ def loss_fn(model, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def forward_backward_seconds(model, batch, repeats: int = 3) -> float:
+def forward_backward_seconds(model: nn.Module, batch: Mapping[str, torch.Tensor],
+                             repeats: int = 3) -> float:
     """Median wall-clock seconds of `loss_fn(model, batch).backward()` over the parameters.
 
     Gradients go to copies (`torch.autograd.grad`); the model's `.grad` fields stay as they

@@ -228,7 +228,8 @@ class Subalgebra:
         self._check_matrix(X)
         return _layout_project(_layout_on(self, X.device), X, self.h)
 
-    def basis(self, dtype: torch.dtype = GRAM_DTYPE, device=None) -> torch.Tensor:
+    def basis(self, dtype: torch.dtype = GRAM_DTYPE,
+              device: torch.device | str | None = None) -> torch.Tensor:
         """A Frobenius-orthonormal basis of $\\mathfrak k$, shape `(dim, h, h)`.
 
         The explicit basis matrices first, then $E_{ab}$ for $a, b \\in F$.
@@ -263,7 +264,7 @@ class Subalgebra:
         *,
         batch: tuple[int, ...] = (),
         dtype: torch.dtype = GRAM_DTYPE,
-        device=None,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
         """$\\pi_{\\mathfrak k}$ of a standard Gaussian matrix (a Gaussian element of the
         subalgebra), shape `(*batch, h, h)`."""
@@ -277,7 +278,7 @@ class Subalgebra:
         scale: float = 1.0,
         dtype: torch.dtype = GRAM_DTYPE,
         batch: tuple[int, ...] = (),
-        device=None,
+        device: torch.device | str | None = None,
     ) -> torch.Tensor:
         r"""A random invertible element $A = \exp(X)$ of the connected group.
 

@@ -293,7 +293,8 @@ class QuotientManifold(geoopt.manifolds.Manifold):
         return torch.ones(shape, dtype=dtype, device=device)
 
     def random(
-        self, *size: int | tuple[int], dtype: torch.dtype | None = None, device=None
+        self, *size: int | tuple[int], dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> geoopt.ManifoldTensor:
         """A random point of shape ``size`` (see ``_random_tensor`` of each manifold)."""
         shape = size2shape(*size)
@@ -304,7 +305,7 @@ class QuotientManifold(geoopt.manifolds.Manifold):
         self,
         *size: int | tuple[int],
         dtype: torch.dtype | None = None,
-        device=None,
+        device: torch.device | str | None = None,
         seed: int | None = 42,
     ) -> geoopt.ManifoldTensor:
         """A deterministic point of shape ``size`` (see ``_origin_tensor``); ``seed`` is unused."""

@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import warnings
 
+import geoopt
 import numpy as np
 import torch
 
 __all__ = ["metric_tensor", "christoffel_from_metric", "reference_geodesic"]
 
 
-def metric_tensor(manifold, x: torch.Tensor) -> torch.Tensor:
+def metric_tensor(manifold: geoopt.Manifold, x: torch.Tensor) -> torch.Tensor:
     """``g_ij(x) = inner(x, e_i, e_j)`` for the coordinate basis of one point ``x``."""
     N = x.numel()
     basis = torch.eye(N, dtype=x.dtype, device=x.device).reshape(N, *x.shape)
     return manifold.inner(x, basis[:, None], basis[None, :]).reshape(N, N)
 
 
-def christoffel_from_metric(manifold, x: torch.Tensor) -> torch.Tensor:
+def christoffel_from_metric(manifold: geoopt.Manifold, x: torch.Tensor) -> torch.Tensor:
     """Christoffel symbols ``Γ[λ, μ, ν]`` of the metric at ``x``, by autograd."""
     N = x.numel()
 
@@ -50,7 +51,8 @@ def christoffel_from_metric(manifold, x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_geodesic(
-    manifold, x: torch.Tensor, u: torch.Tensor, t: float = 1.0, tol: float = 1e-12
+    manifold: geoopt.Manifold, x: torch.Tensor, u: torch.Tensor, t: float = 1.0,
+    tol: float = 1e-12,
 ) -> torch.Tensor:
     """``γ_u(t)`` integrated by SciPy's DOP853 with Γ from :func:`christoffel_from_metric`.
 

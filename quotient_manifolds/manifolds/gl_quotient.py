@@ -280,7 +280,7 @@ class GLQuotient(QuotientManifold):
         *,
         steps: int = 8,
         validate: bool = True,
-        subalgebra=None,
+        subalgebra: subgroup.Subalgebra | None = None,
     ) -> None:
         super().__init__(retraction, validate)
         if metric not in gl.METRICS:

@@ -240,7 +240,7 @@ class NormGainFold(Fold):
             out[self.bias] = _mask(params, self.bias)
         return out
 
-    def apply(self, params):
+    def apply(self, params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         with torch.no_grad():
             out = dict(params)
             w = out[self.weight]
@@ -256,7 +256,8 @@ class NormGainFold(Fold):
                 out[self.bias] = torch.zeros_like(beta) if self.shift == "fold" else beta / g
             return out, self.frozen(params)
 
-    def act(self, params, generator=None, a=1.0):
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             out = dict(params)
             w = out[self.weight]
@@ -313,7 +314,7 @@ class KeyBiasFold(Fold):
     def _block(self) -> BlockSpec:
         return _part_block(self.part, self.heads, self.h, self.module)
 
-    def frozen(self, params):
+    def frozen(self, params: Params) -> dict[str, torch.Tensor]:
         return {self.part.param: claimed_mask(self._block(), params)[self.part.param]}
 
     def _write(self, params, fn) -> dict:
@@ -326,16 +327,17 @@ class KeyBiasFold(Fold):
         scatter_block(blk, torch.cat([y, y], dim=-2), out)
         return out
 
-    def apply(self, params):
+    def apply(self, params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         with torch.no_grad():
             return self._write(params, torch.zeros_like), self.frozen(params)
 
-    def act(self, params, generator=None, a=1.0):
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             return self._write(params, lambda x: x + a * _randn(x.shape, generator, x.dtype,
                                                                  x.device))
 
-    def describe(self):
+    def describe(self) -> dict:
         d = super().describe()
         d.update(part=(self.part.param, self.part.layout, self.part.offset))
         return d
@@ -380,7 +382,7 @@ class ValueBiasFold(Fold):
     def _block(self) -> BlockSpec:
         return BlockSpec("custom", self.module, self.heads, self.h, (self.part,), self.out)
 
-    def frozen(self, params):
+    def frozen(self, params: Params) -> dict[str, torch.Tensor]:
         return {self.part.param: claimed_mask(_part_block(self.part, self.heads, self.h),
                                               params)[self.part.param]}
 
@@ -397,17 +399,18 @@ class ValueBiasFold(Fold):
         scatter_block(blk, torch.cat([bv + t, H], dim=-2), out)
         return out
 
-    def apply(self, params):
+    def apply(self, params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         with torch.no_grad():
             # t = -b_V: b_V → 0 and b_O → b_O + W_O b_V
             return self._shift(params, lambda bv: -bv, -1.0), self.frozen(params)
 
-    def act(self, params, generator=None, a=1.0):
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             return self._shift(
                 params, lambda bv: a * _randn(bv.shape, generator, bv.dtype, bv.device), -1.0)
 
-    def describe(self):
+    def describe(self) -> dict:
         d = super().describe()
         d.update(part=(self.part.param, self.part.layout, self.part.offset),
                  out=[(q.param, q.layout, q.offset) for q in self.out], out_bias=self.out_bias)
@@ -478,7 +481,7 @@ class QKNormScaleFold(Fold):
             out[self.k_bias] = out[self.k_bias] / ck.to(wk.dtype)
         return out
 
-    def apply(self, params):
+    def apply(self, params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         with torch.no_grad():
             wq, wk = params[self.q_weight], params[self.k_weight]
             gq = (wq + self.q_offset).to(torch.float64)
@@ -500,13 +503,14 @@ class QKNormScaleFold(Fold):
             c = torch.where(total < 0, -c, c)
             return self._scale(params, c), {}
 
-    def act(self, params, generator=None, a=1.0):
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             w = params[self.q_weight]
             c = _random_scale((self._n(),), generator, a, torch.float64, w.device)
             return self._scale(params, c)
 
-    def describe(self):
+    def describe(self) -> dict:
         d = super().describe()
         d.update(layout=self.layout, classes=self._n())
         return d
@@ -1116,7 +1120,8 @@ class _JointAct:
     def __init__(self, folds: Sequence[Fold]) -> None:
         self.folds = tuple(folds)
 
-    def act(self, params, generator=None, a=1.0):
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
         for f in self.folds:
             params = f.act(params, generator, a)
         return dict(params)

@@ -53,7 +53,7 @@ from ..manifolds import AdaptiveEuclidean, GLQuotient
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
 from .config import Geometry
-from .discovery import Fallback, discover
+from .discovery import Fallback, Symmetries, discover
 
 __all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "HALF_DTYPES", "ParamSelection",
            "select_parameters"]
@@ -160,23 +160,6 @@ class AdaptiveEntry:
     index: torch.Tensor | None  # None: the whole parameter is free
 
 
-class _Discovered:
-    """Blocks and fallbacks without canonicalisation (what `discover` returns as a pair)."""
-
-    def __init__(self, blocks: Sequence[BlockSpec], fallbacks: Sequence[Fallback]) -> None:
-        self.blocks = tuple(blocks)
-        self.fallbacks = tuple(fallbacks)
-
-    def canonicalize(self, params: Mapping[str, torch.Tensor]):
-        return dict(params), {}
-
-
-def _symmetries(res) -> object:
-    if isinstance(res, tuple):
-        return _Discovered(*res)
-    return res
-
-
 class ModelGeometry:
     r"""Quotient geometry of a model at its current weights (the base point).
 
@@ -190,9 +173,9 @@ class ModelGeometry:
         The perturbed parameters
         ([`select_parameters`][quotient_manifolds.models.model_geometry.select_parameters];
         default: those with `requires_grad=True`).
-    symmetries : object, optional
-        The model's symmetries (`blocks`, `fallbacks`, `canonicalize`), e.g. from
-        `discover(model)`; discovered when omitted (ignored if `geometry.blocks` is given).
+    symmetries : Symmetries, optional
+        The model's symmetries, e.g. from `discover(model)`; discovered when omitted (ignored
+        if `geometry.blocks` is given).
     warn : bool
         Emit the discovery warnings.
 
@@ -214,7 +197,7 @@ class ModelGeometry:
         geometry: Geometry | None = None,
         *,
         params: ParamSelection = None,
-        symmetries=None,
+        symmetries: Symmetries | None = None,
         warn: bool = True,
     ) -> None:
         geometry = Geometry() if geometry is None else geometry
@@ -236,14 +219,14 @@ class ModelGeometry:
         self.dtype = torch.float64 if floats and all(d == torch.float64 for d in floats) else (
             torch.float32)
         if g.metric is None:
-            sym = _Discovered((), ())
+            sym = Symmetries(blocks=())
         elif g.blocks is not None:
-            sym = _Discovered([b.resolved(raw) for b in list(g.blocks) + list(g.declared)], ())
+            sym = Symmetries(blocks=tuple(b.resolved(raw)
+                                          for b in list(g.blocks) + list(g.declared)))
         elif symmetries is not None:
-            sym = _symmetries(symmetries)
+            sym = symmetries
         else:
-            sym = _symmetries(discover(model, symmetry=g.symmetry, declared=g.declared,
-                                       warn=warn))
+            sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn)
         self.symmetries = sym
         self.base, self.frozen = sym.canonicalize(raw)
         self.base = {n: t.detach() for n, t in self.base.items()}

@@ -44,6 +44,8 @@ __all__ = ["SHARD_MODES", "Shard", "ShardContext", "default_split", "resolve_sha
 SHARD_MODES = ("none", "batches", "within_batch")
 
 SplitFn = Callable[[object, int, int], tuple[object, int]]
+#: a loss evaluator `(params, batch) -> loss` of the engine
+Evaluator = Callable[[dict[str, torch.Tensor], object], torch.Tensor]
 
 
 def _dist():
@@ -84,7 +86,7 @@ def _slice(x, rank: int, world: int):
     return x
 
 
-def default_split(batch, rank: int, world_size: int) -> tuple[object, int]:
+def default_split(batch: object, rank: int, world_size: int) -> tuple[object, int]:
     """Rank ``rank``'s slice of ``batch`` and its number of examples.
 
     Every tensor (also inside dicts, lists and tuples, e.g. a Hugging Face batch
@@ -193,7 +195,7 @@ class ShardContext:
         """Whether this rank solves batch ``b``."""
         return self.mode != "batches" or b % self.world_size == self.rank
 
-    def evaluator(self, ev):
+    def evaluator(self, ev: Evaluator) -> Evaluator:
         """The loss evaluator to use (wrapped for ``within_batch``)."""
         return _WithinBatchEvaluator(ev, self) if self.mode == "within_batch" else ev
 
@@ -285,7 +287,7 @@ class Shard:
 
 
 def resolve_shard(shard: str | Shard | None, split_batch: SplitFn | None = None,
-                  group=None) -> ShardContext:
+                  group: object = None) -> ShardContext:
     """The :class:`ShardContext` of a sharpness call.
 
     ``shard=None`` or ``"none"`` runs on this process alone, whether or not a process group

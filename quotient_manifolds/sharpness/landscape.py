@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import geoopt
 import torch
 
 from ..errors import GeodesicDomainError
@@ -57,7 +58,8 @@ def _eval_many(loss: Loss, manifold, x: torch.Tensor, us: list[torch.Tensor],
 
 
 def slice_1d(
-    manifold, x: torch.Tensor, direction: torch.Tensor, loss: Loss, ts: torch.Tensor
+    manifold: geoopt.Manifold, x: torch.Tensor, direction: torch.Tensor, loss: Loss,
+    ts: torch.Tensor,
 ) -> dict:
     r"""``L(exp_x(tξ))`` and ``L(x + tξ)`` for every ``t`` in ``ts``.
 
@@ -75,7 +77,7 @@ def slice_1d(
 
 
 def slice_2d(
-    manifold,
+    manifold: geoopt.Manifold,
     x: torch.Tensor,
     d1: torch.Tensor,
     d2: torch.Tensor,

@@ -84,7 +84,7 @@ class Measure:
         return {"geometry": self.geometry.settings(), "kind": self.kind}
 
     def solver(self, n_iter: int | None = None, seed: int | None = None,
-               progress: bool = False):
+               progress: bool = False) -> APGD | Average:
         """The solver of this measure: `APGD` (worst) or `Average` (average)."""
         if self.kind == "average":
             return Average(n=20 if n_iter is None else n_iter, seed=seed, progress=progress)

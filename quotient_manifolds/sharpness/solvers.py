@@ -257,40 +257,45 @@ class FeasibleSetManifold(geoopt.manifolds.Manifold):
         """The set's norm of `u` (per problem)."""
         return self.feasible.norm(self._flat(u))
 
-    def inner(self, x, u, v=None, *, keepdim=False):
+    def inner(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None, *,
+              keepdim: bool = False) -> torch.Tensor:
         out = self.feasible.inner(self._flat(u), None if v is None else self._flat(v))
         return out[(...,) + (None,) * self.ndim] if keepdim else out
 
-    def proju(self, x, u):
+    def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self._back(self.feasible.proju(self._flat(u)))
 
-    def egrad2rgrad(self, x, u):
+    def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return self._back(self.feasible.rgrad(self._flat(u)))
 
-    def projx(self, x):
+    def projx(self, x: torch.Tensor) -> torch.Tensor:
         return self._back(self.feasible.project(self._flat(x)))
 
-    def retr(self, x, u):
+    def retr(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """`projx(x + u)`: a step in the tangent space, then back into the set."""
         return self.projx(x + u)
 
     expmap = retr
 
-    def transp(self, x, y, v):
+    def transp(self, x: torch.Tensor, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The horizontal projection (one tangent space: no transport needed)."""
         return self.proju(y, v)
 
-    def retr_transp(self, x, u, v):
+    def retr_transp(self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         y = self.retr(x, u)
         return y, self.transp(x, y, v)
 
     expmap_transp = retr_transp
 
-    def origin(self, *size, dtype=None, device=None, seed=42):
+    def origin(self, *size: int | tuple[int], dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None,
+               seed: int | None = 42) -> geoopt.ManifoldTensor:
         """The centre of the set."""
         return geoopt.ManifoldTensor(self._back(self.feasible.zeros()), manifold=self)
 
-    def random(self, *size, dtype=None, device=None):
+    def random(self, *size: int | tuple[int], dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None) -> geoopt.ManifoldTensor:
         """A random point of the set: a sample, shrunk to half the radius."""
         z = self.feasible.sample(None)
         n = self.feasible.norm(z)

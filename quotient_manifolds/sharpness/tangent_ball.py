@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InvalidRadiusError
+from ..manifolds.base import QuotientManifold
 from ..manifolds.product import ProductTangentSpace
 from .feasible import MetricBall
 from .solvers import FeasibleSetManifold
@@ -44,7 +45,8 @@ class TangentBall(FeasibleSetManifold):
 
     name = "TangentBall"
 
-    def __init__(self, manifold, base_point: torch.Tensor, radius: float) -> None:
+    def __init__(self, manifold: QuotientManifold, base_point: torch.Tensor,
+                 radius: float) -> None:
         radius = float(radius)
         if not (radius > 0 and radius < float("inf")):
             raise InvalidRadiusError(f"radius must be positive and finite, got {radius}")

@@ -145,7 +145,8 @@ def _solve_linear(eqs: list[sp.Expr], unknowns: list[sp.Symbol]) -> list[sp.Expr
     return list(GLBlock.inverse(J) * b)
 
 
-def documented_x(R, gr: gl.Grams, metric: str, sub: sg.Subalgebra) -> SymTensor:
+def documented_x(R: SymTensor | sp.Matrix, gr: gl.Grams, metric: str,
+                 sub: sg.Subalgebra) -> SymTensor:
     r"""The documented equation, solved exactly: $X = \sum_a x_a N_a \in \mathfrak k$ with
     $\langle N_a, R + L(X)\rangle_F = 0$ for a basis $N_a$ of $\mathfrak k$, i.e.
     $\pi_{\mathfrak k}(R + L(X)) = 0$, $L$ = the library's
@@ -159,7 +160,8 @@ def documented_x(R, gr: gl.Grams, metric: str, sub: sg.Subalgebra) -> SymTensor:
     return SymTensor(X.xreplace(dict(zip(xs, sol))))
 
 
-def gl_lambda_then_project(R, gr: gl.Grams, metric: str, sub: sg.Subalgebra) -> SymTensor:
+def gl_lambda_then_project(R: SymTensor | sp.Matrix, gr: gl.Grams, metric: str,
+                           sub: sg.Subalgebra) -> SymTensor:
     r"""**Wrong on purpose**: the full-GL(h) solution $\Lambda$ of $R + L(\Lambda) = 0$ (what
     the GL projection uses), then projected onto $\mathfrak k$.  Tempting, since the GL
     solver already exists, but $\pi_{\mathfrak k}$ does not commute with $L^{-1}$."""
