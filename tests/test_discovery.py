@@ -409,6 +409,28 @@ def test_zoo_attention_is_not_uniform(name):
         assert ratio < 0.8, ratio  # uniform attention would give 1
 
 
+def test_example_input_of_a_model_around_self_attention():
+    """A model whose first parameterised module is an `nn.MultiheadAttention` applied to its
+    input gets one sequence of the attention's width (so its folds can be probed)."""
+
+    class Classifier(nn.Module):
+        def __init__(self, batch_first):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(0))
+
+    for bf in (True, False):
+        model = Classifier(bf).double()
+        (x,), kw = example_inputs(model)
+        assert kw == {} and x.dtype == torch.float64
+        assert x.shape == ((2, 5, 8) if bf else (5, 2, 8))
+        sym = qm.models.discover(model, warn=False)
+        assert sym.folds and not [f for f in sym.fallbacks if f.kind == "folds"]
+
+
 def test_timm_attention_is_not_uniform():
     model = _model("timm_vit")
     attn = model.blocks[0].attn

@@ -257,6 +257,8 @@ def _generic_inputs(model, gen, device, dtype) -> tuple[tuple, dict] | None:
         if isinstance(m, nn.Conv2d):
             x = torch.randn(2, m.in_channels, 16, 16, generator=gen, dtype=dtype)
             return (x.to(device),), {}
+        if isinstance(m, nn.MultiheadAttention):  # a model around self-attention: one sequence
+            return (_seq_tensor(gen, 2, 5, m.embed_dim, m.batch_first, device, dtype),), {}
         return None
     return None
 
@@ -271,7 +273,8 @@ def example_inputs(model: nn.Module, generator: torch.Generator | None = None
     embedding's size. `nn.MultiheadAttention`, `nn.Transformer`, `nn.TransformerEncoder`/
     `Decoder` (and their layers): random sequences. peft models: the base model's input.
     Anything else: a guess from the first parameterised leaf module (`nn.Linear`:
-    `(2, 5, in_features)`; `nn.Embedding`: token ids; `nn.Conv2d`: images).
+    `(2, 5, in_features)`; `nn.Embedding`: token ids; `nn.Conv2d`: images;
+    `nn.MultiheadAttention`: one sequence of its width, for a model that applies it to its input).
 
     Parameters
     ----------
