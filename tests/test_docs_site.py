@@ -58,11 +58,18 @@ def site(tmp_path_factory) -> pathlib.Path:
     pytest.importorskip("mkdocstrings")
     from filelock import FileLock
 
-    # One build per test session, shared by the pytest-xdist workers (their base temp
-    # folders have a common parent); the first worker builds, the others wait and reuse it.
-    shared = tmp_path_factory.getbasetemp().parent
-    out = shared / "docs-site"
-    with FileLock(str(shared / "docs-site.lock")):
+    # One build per test session, shared by the pytest-xdist workers of this run (their base
+    # temp folders have a common parent, which outlives the run: the folder is named after the
+    # run, so a site built by an earlier run, or from another checkout, is never reused); the
+    # first worker builds, the others wait and reuse it.
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:  # no xdist: this process's own folder
+        shared = tmp_path_factory.mktemp("docs-site-run")
+        uid = "local"
+    else:
+        shared = tmp_path_factory.getbasetemp().parent
+    out = shared / f"docs-site-{uid}"
+    with FileLock(str(shared / f"docs-site-{uid}.lock")):
         if not (out / "index.html").is_file():
             env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
             proc = subprocess.run(
