@@ -4,7 +4,7 @@
 random GL(h) block: the invariance of the metric and of the second-order
 perturbed product under a random group element, the orthogonality of the
 horizontal projection, and the error orders of the three retractions against a
-geodesic integrated independently by SciPy (spec §5.3, §6, §11).
+geodesic integrated independently by SciPy (§5.2; Eq. 5).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def geometry_facts(n: int = 4, m: int = 3, h: int = 2, seed: int = 0) -> list[di
 
 
 def format_facts(facts: list[dict]) -> str:
-    """A plain-text table of :func:`geometry_facts`."""
+    """A plain-text table of `geometry_facts`."""
     rows = [
         ("metric invariance ⟨u,v⟩ under (G A⁻¹, H Aᵀ), rel. error", "metric_invariance", "{:.1e}"),
         ("horizontal projection ⟂ vertical space, rel.", "projection_orthogonality", "{:.1e}"),

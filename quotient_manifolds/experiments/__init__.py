@@ -1,4 +1,4 @@
-"""Reproductions of the paper's experiments and transformer populations (issue 5).
+"""Reproductions of the paper's experiments and transformer populations.
 
 Top layer: imports `quotient_manifolds.sharpness` and below, never the reverse.
 """

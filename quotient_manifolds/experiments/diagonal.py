@@ -1,12 +1,12 @@
-r"""Diagonal linear networks (paper §5.1, Fig. 3; spec §5.2, §6.4.1, §10, §12.3).
+r"""Diagonal linear networks (paper §5.1, Fig. 3; App. D, E).
 
 Protocol, fixed here before any τ was computed:
 
-* **Data** (populations.md §7.2, the tml-epfl ``n=80-d=200`` configuration): ``X`` and a
+* **Data** (the ``n=80-d=200`` configuration of the reference code, tml-epfl): ``X`` and a
   1000-point test set with rows ``N(0, I_200)`` (``numpy.random.RandomState(0)``), a 90 %
   sparse ground truth (``θ* ~ N(0, I)``, entries 20… set to 0, then ``|θ*|/‖θ*‖``: non-negative,
   unit norm), noiseless targets ``y = Xθ*``.
-* **Population** (populations.md §7.3): 50 members, ``α`` log-uniform in ``[0.01, 1]``,
+* **Population**: 50 members, ``α`` log-uniform in ``[0.01, 1]``,
   then with probability ½ full-batch GD with step log-uniform in ``[0.03, 2]``, else SGD
   with batch 1 and step log-uniform in ``[0.01, 0.3]``.  Initialisation ``u₀ = α·1``,
   ``v₀ = 0`` (the "const" init of the reference code).  Trained in float64 on
@@ -92,7 +92,7 @@ MEASURES: dict[str, dict] = {
                                  "ball": "metric", **WORST},
     "ablation_mix_adaptive_norm": {"metric": "mix", "retraction": "exact", "ball": "adaptive",
                                    **WORST},
-    # average case (spec §7.2; not in the paper)
+    # average case (not in the paper)
     "adaptive_avg": {"measure": "adaptive", **AVERAGE},
     "geodesic_inv_avg": {"metric": "inv", "retraction": "exact", "ball": "metric", **AVERAGE},
     "geodesic_mix_avg": {"metric": "mix", "retraction": "exact", "ball": "metric", **AVERAGE},
@@ -108,7 +108,7 @@ QUICK: dict[str, Any] = {"n_members": 8, "max_steps": 4_000, "rho_grid": [0.03, 
 def make_data(
     n: int = 80, d: int = 200, r: int = 20, n_test: int = 1000, seed: int = 0
 ) -> tuple[torch.Tensor, ...]:
-    """``X, y, X_test, y_test, θ*`` of populations.md §7.2 as float64 tensors."""
+    """``X, y, X_test, y_test, θ*`` of the data set above, as float64 tensors."""
     rs = np.random.RandomState(seed)
     X = rs.multivariate_normal(np.zeros(d), np.eye(d), n)
     X_test = rs.multivariate_normal(np.zeros(d), np.eye(d), n_test)

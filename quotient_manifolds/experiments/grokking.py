@@ -1,6 +1,6 @@
-r"""Population C: one-layer transformers grokking modular addition (issue 5, item 4).
+r"""Population C: one-layer transformers grokking modular addition.
 
-Spec: ``populations.md`` §6 and §9. Every member learns :math:`(a + b) \bmod p` from the
+Every member learns $(a + b) \bmod p$ from the
 token sequence ``[a, b, =]`` (prediction at the last position) with a one-layer,
 LayerNorm-free transformer in the style of Nanda et al. (2023):
 
@@ -9,17 +9,17 @@ LayerNorm-free transformer in the style of Nanda et al. (2023):
   ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections, so that
   `discover_blocks` finds the exact per-head GL(16) symmetries
   (one Q/K and one V/O block per head: ``softmax(X W_qᵢ (X W_kᵢ)ᵀ/√d_h) X W_vᵢ W_oᵢ``
-  only depends on the products :math:`W_{q,i} W_{k,i}^\top` and :math:`W_{v,i} W_{o,i}`);
+  only depends on the products $W_{q,i} W_{k,i}^\top$ and $W_{v,i} W_{o,i}$);
 * residual MLP of width ``4d`` with ReLU, untied unembedding;
 * full-batch AdamW, learning rate 3e-3, β = (0.9, 0.98), float32.
 
 **Population** (16 members, drawn by `sample_population` with a fixed seed): weight
 decay ∈ {0.1, 0.3, 1.0}, train fraction ∈ {0.3, 0.4, 0.5, 0.6}, p ∈ {43, 59}, the step
 budget ∈ {800, 1200, 1600} (short budgets leave members mid-transition, so that the test
-error is not bimodal; spec §9) and the seed (initialisation and train/test split).
+error is not bimodal) and the seed (initialisation and train/test split).
 
 **Protocol.** Members whose final train accuracy is below 99 % are reported and left out of
-τ (spec §6: fixed budget plus a filter). The gap is the test error (train error is 0 for
+τ (a fixed budget plus a filter). The gap is the test error (train error is 0 for
 every kept member); τ against the test cross-entropy is reported as a second gap under
 ``results["vs_test_loss"]``. Sharpness is measured on the full training set (one batch), in
 float64, with the suite of `sharpness_suite` at the
@@ -81,7 +81,7 @@ QUICK_BATCH = 128
 
 
 class GrokTransformer(nn.Module):
-    """One-layer, LayerNorm-free transformer for ``(a + b) mod p`` (spec §9)."""
+    """One-layer, LayerNorm-free transformer for ``(a + b) mod p``."""
 
     def __init__(self, p: int, d: int = 64, num_heads: int = 4, mlp_mult: int = 4) -> None:
         super().__init__()

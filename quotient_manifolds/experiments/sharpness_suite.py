@@ -1,21 +1,17 @@
-r"""The sharpness measures shared by the trained transformer populations (issue 5).
+r"""The sharpness measures shared by the trained transformer populations.
 
 Every population member is measured with the same suite (paper §6 and App. G):
 
-==============================  =========================================================
-key (measure)                   definition (:data:`~quotient_manifolds.sharpness.measures.MEASURES`)
-==============================  =========================================================
-``adaptive``                    adaptive sharpness (Eq. 1), reference ℓ2 algorithm, worst
-``geodesic_inv`` / ``_mix``     geodesic sharpness (Eq. 4), GL(h) per head, Eq. 5
-                                (second-order) retraction, worst case
-``geodesic_*_first_order``      App. G ablation (b): ``w + ξ``, no second-order term
-``geodesic_*_adaptive_norm``    App. G ablation (a): the ball is ``‖ξ ⊘ |w|‖₂ ≤ ρ`` (ξ
-                                horizontal) instead of ``‖ξ‖_w ≤ ρ``
-``*_average``                   average case, ``n_iter`` Gaussian samples
-==============================  =========================================================
+* ``adaptive`` — adaptive sharpness (Eq. 1), reference ℓ2 algorithm, worst
+* ``geodesic_inv`` / ``_mix`` — geodesic sharpness (Eq. 4), GL(h) per head, Eq. 5 (second-order)
+  retraction, worst case
+* ``geodesic_*_first_order`` — App. G ablation (b): ``w + ξ``, no second-order term
+* ``geodesic_*_adaptive_norm`` — App. G ablation (a): the ball is ``‖ξ ⊘ |w|‖₂ ≤ ρ`` (ξ horizontal)
+  instead of ``‖ξ‖_w ≤ ρ``
+* ``*_average`` — average case, ``n_iter`` Gaussian samples
 
 The keys are the measure names of the one table with underscores
-(:attr:`~quotient_manifolds.sharpness.measures.Measure.key`).
+([`key`][quotient_manifolds.sharpness.measures.Measure.key]).
 
 **Average-case radius.** The engine draws ``ξ ~ N(0, ρ² g⁻¹)`` (adaptive:
 ``δ = ρ |w| ⊙ N(0, I)``), whose norm is ``≈ ρ √D`` in a model with ``D`` weights, far
@@ -78,7 +74,7 @@ __all__ = [
     "float32_default",
 ]
 
-#: result key → measure of the one table (:data:`quotient_manifolds.sharpness.measures.MEASURES`)
+#: result key → measure of the one table (`quotient_manifolds.sharpness.measures.MEASURES`)
 SUITE: dict[str, Measure] = {m.key: m for m in map(measure, (
     "adaptive", "geodesic-inv", "geodesic-mix", "geodesic-inv-first-order",
     "geodesic-mix-first-order", "geodesic-inv-adaptive-norm", "geodesic-mix-adaptive-norm",
@@ -165,7 +161,7 @@ def measure_member(
         Multipliers of ρ for the `MAIN_MEASURES` (robustness to ρ; the headline
         uses the multiplier 1); the ablations and average-case measures use ρ only.
     names : iterable of str
-        Measures to compute (default: all of :data:`SUITE`).
+        Measures to compute (default: all of `SUITE`).
     bar : tqdm, optional
         Advanced once per ``(measure, ρ)`` pair.
 

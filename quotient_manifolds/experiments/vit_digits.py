@@ -1,6 +1,6 @@
-r"""Population B: tiny vision transformers on the sklearn digits (issue 5, item 5).
+r"""Population B: tiny vision transformers on the sklearn digits.
 
-Spec: ``populations.md`` §6 and §8. The data is ``sklearn.datasets.load_digits()`` (1797
+The data is ``sklearn.datasets.load_digits()`` (1797
 images of 8×8 pixels, shipped inside scikit-learn), scaled to [0, 1]. A fixed permutation
 (seed 0) splits it into a training pool of 1000 images and a test set of the other 797,
 shared by every member; a member trains on the first ``train_size`` images of the pool.
@@ -10,7 +10,7 @@ position embeddings, 2 pre-LayerNorm blocks with 4 heads of ``d_h = 8`` and a GE
 width ``2d``, final LayerNorm and a linear head on the CLS token. The attention uses separate
 ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections (with biases), so that
 `discover_blocks` finds 4 Q/K and 4 V/O GL(8) blocks per layer (the
-bias rows of q/k/v are appended to the factors, spec §3.4; the pre-attention LayerNorm acts
+bias rows of q/k/v are appended to the factors, App. A; the pre-attention LayerNorm acts
 on the input and does not break the symmetry).
 
 **Population** (30 members, drawn by `sample_population` with a fixed seed): AdamW
@@ -97,7 +97,7 @@ class _Block(nn.Module):
 
 
 class TinyViT(nn.Module):
-    """Pre-LN ViT for 8×8 images: 2×2 patches, CLS token, ``depth`` blocks (spec §8)."""
+    """Pre-LN ViT for 8×8 images: 2×2 patches, CLS token, ``depth`` blocks."""
 
     def __init__(self, d: int = 32, depth: int = 2, num_heads: int = 4, mlp_mult: int = 2,
                  patch: int = 2, n_classes: int = 10) -> None:

@@ -96,7 +96,7 @@ def _cholesky_checked(M: torch.Tensor, factor: str, eps: float) -> torch.Tensor:
     bad = (info > 0).any() | (pivots <= tol * scale).any() | ~torch.isfinite(L).all()
     if bool(bad):
         hint = (
-            "pass eps > 0 to use the relaxation GᵀG + eps·I (spec §5.3.1)"
+            "pass eps > 0 to use the relaxation GᵀG + eps·I (the ε relaxation of the Gram matrices)"
             if eps == 0
             else f"eps = {eps:g} is too small for this block; increase it"
         )

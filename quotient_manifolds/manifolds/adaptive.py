@@ -96,22 +96,25 @@ class AdaptiveTangentSpace(TangentSpace):
 class AdaptiveEuclidean(QuotientManifold):
     r"""``R_*^N`` with the metric ``⟨ξ, ζ⟩_w = Σ ξ ζ / (w² + ε)``.
 
-    This is the geometry behind adaptive sharpness (spec §6.6, §7.3): its norm
+    This is the geometry behind adaptive sharpness (App. F; App. C.1): its norm
     is ``‖ξ ⊘ |w|‖₂`` and its Riemannian gradient ``w² ⊙ ∇L``.  Each weight is
     an independent one-dimensional manifold, so there is no vertical space:
-    :meth:`proju` is the identity.  :meth:`act` is the elementwise scaling
+    [`proju`][quotient_manifolds.manifolds.adaptive.AdaptiveEuclidean.proju] is the identity.
+    [`act`][quotient_manifolds.manifolds.adaptive.AdaptiveEuclidean.act] is the elementwise scaling
     ``w ↦ α ⊙ w``, an isometry of the metric (not a symmetry of a network).
 
     Parameters
     ----------
     eps : float
         ``ε`` in ``w² + ε``; guards zero weights.  With ``ε = 0`` a zero
-        weight raises :class:`~quotient_manifolds.errors.ZeroWeightError`.
+        weight raises [`ZeroWeightError`][quotient_manifolds.errors.ZeroWeightError].
     retraction : {"first_order", "second_order", "exact"}
         ``w + ξ`` (adaptive sharpness), ``w + ξ + ½ w ξ²/(w² + ε)`` or the
-        geodesic ``w e^{ξ/w}`` (``√ε sinh(asinh(w/√ε) + ξ/√(w² + ε))`` for ε > 0).
+        geodesic $w e^{ξ/w}$ (``√ε sinh(asinh(w/√ε) + ξ/√(w² + ε))`` for ε > 0).
     ndim : int
-        Trailing dimensions reduced by :meth:`inner`, as in ``geoopt.Euclidean``.
+        Trailing dimensions reduced by
+        [`inner`][quotient_manifolds.manifolds.adaptive.AdaptiveEuclidean.inner], as in
+        ``geoopt.Euclidean``.
     validate : bool
         Check finiteness and zero weights.
     """

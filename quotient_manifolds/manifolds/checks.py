@@ -2,12 +2,12 @@ r"""Generic numerical checkers built from a manifold's metric alone.
 
 In the spirit of Manopt's ``checkgradient``/``checkretraction``: these
 functions know nothing about the closed forms of a manifold.  They build the
-metric tensor ``g_ij(x) = ⟨e_i, e_j⟩_x`` from :meth:`inner` on the coordinate
+metric tensor ``g_ij(x) = ⟨e_i, e_j⟩_x`` from `inner` on the coordinate
 basis, differentiate it with autograd, and contract the textbook formula
 
-.. math::
-
-    Γ^λ_{μν} = ½ g^{λσ}(∂_ν g_{σμ} + ∂_μ g_{σν} − ∂_σ g_{μν}).
+$$
+Γ^λ_{μν} = \tfrac12 g^{λσ}(\partial _ν g_{σμ} + \partial _μ g_{σν} - \partial _σ g_{μν}).
+$$
 
 The tests use them as an independent oracle for ``christoffel`` and to
 integrate reference geodesics with SciPy's DOP853.  Cost grows like ``N³``
@@ -54,7 +54,7 @@ def reference_geodesic(
     manifold: geoopt.Manifold, x: torch.Tensor, u: torch.Tensor, t: float = 1.0,
     tol: float = 1e-12,
 ) -> torch.Tensor:
-    """``γ_u(t)`` integrated by SciPy's DOP853 with Γ from :func:`christoffel_from_metric`.
+    """``γ_u(t)`` integrated by SciPy's DOP853 with Γ from `christoffel_from_metric`.
 
     Independent of the manifold's closed-form Christoffel terms and of the
     library's own integrator.  Float64 only; one point at a time.

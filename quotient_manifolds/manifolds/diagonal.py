@@ -110,7 +110,7 @@ class DiagonalTangentSpace(TangentSpace):
 
 
 class DiagonalQuotient(QuotientManifold):
-    r"""Quotient ``(R_*^d × R_*^d) / GL(1)^d`` of diagonal networks (spec §5.2).
+    r"""Quotient ``(R_*^d × R_*^d) / GL(1)^d`` of diagonal networks (§5.1, Eq. 6/7).
 
     A point has shape ``(..., 2, d)``: row 0 is ``u``, row 1 is ``v``; the
     network sees ``β = u ⊙ v``.  The group acts by ``(α ⊙ u, α⁻¹ ⊙ v)``.
@@ -122,7 +122,7 @@ class DiagonalQuotient(QuotientManifold):
         mix (Eq. 7): ``Σ η_u ν_u v² + η_v ν_v u²``.
     retraction : {"first_order", "second_order", "exact"}
         ``exact`` (default) uses the closed-form geodesics: inv
-        ``(u e^{ξ_u/u}, v e^{ξ_v/v})``; mix a straight line in the flat
+        $(u e^{ξ_u/u}, v e^{ξ_v/v})$; mix a straight line in the flat
         coordinates ``(|uv|, log|u/v|)``, which for horizontal ``ξ = (bu, bv)``
         is ``(u√(1+2b), v√(1+2b))`` (Eq. 24).
     validate : bool

@@ -217,12 +217,13 @@ def _cg(A, b: torch.Tensor, d: torch.Tensor, *, tol: float, max_iter: int) -> to
 
 
 class GLQuotient(QuotientManifold):
-    r"""Quotient ``(R^{n×h}_* × R^{m×h}_*) / GL(h)`` of a factor pair.
+    r"""Quotient $(R^{n\times h}_* \times R^{m\times h}_*) / GL(h)$ of a factor pair.
 
-    The pair ``(G, H)``, ``G ∈ R^{n×h}``, ``H ∈ R^{m×h}``, enters the network
-    only through ``G Hᵀ``; the group acts by ``(G A⁻¹, H Aᵀ)`` (spec §3.3).
+    The pair ``(G, H)``, $G \in R^{n\times h}$, $H \in R^{m\times h}$, enters the network
+    only through ``G Hᵀ``; the group acts by ``(G A⁻¹, H Aᵀ)`` (Def. 3.1).
     This covers attention Q/K and V/O pairs per head (with appended bias rows,
-    spec §3.4c), LoRA ``B A`` (``G = B``, ``H = Aᵀ``) and two-layer linear nets.
+    Example A.1; [bias rows][bias-rows]), LoRA ``B A`` (``G = B``, ``H = Aᵀ``) and two-layer linear
+    nets.
 
     A point is one tensor of shape ``(..., n + m, h)``: rows ``[:n]`` are
     ``G``, rows ``[n:]`` are ``H``.  Leading dimensions are a batch of
@@ -237,14 +238,16 @@ class GLQuotient(QuotientManifold):
         ``mix`` (Eq. 10): ``Tr(Q η_Gᵀ ζ_G + P η_Hᵀ ζ_H)``, with
         ``P = GᵀG + εI`` and ``Q = HᵀH + εI``.
     eps : float
-        Relaxation of every Gram matrix (spec §5.3.1); ``0`` requires full
+        Relaxation of every Gram matrix ([relaxation][eps-relaxation]); ``0`` requires full
         column rank.  With ``eps > 0`` the metric is no longer exactly
         GL(h)-invariant.
     retraction : {"first_order", "second_order", "exact"}
-        What :meth:`retr` (and so every geoopt optimizer) uses: ``x + u``,
-        ``x + u − ½Γ_x(u, u)`` (Eq. 5) or the geodesic integrated by RK4.
+        What [`retr`][quotient_manifolds.manifolds.gl_quotient.GLQuotient.retr] (and so every geoopt
+        optimizer) uses: ``x + u``, ``x + u − ½Γ_x(u, u)`` (Eq. 5) or the geodesic integrated by
+        RK4.
     steps : int
-        RK4 steps of the exact geodesic (:meth:`expmap`).  The error is
+        RK4 steps of the exact geodesic
+        ([`expmap`][quotient_manifolds.manifolds.gl_quotient.GLQuotient.expmap]).  The error is
         ``O((‖u‖/steps)⁴)``; see ``docs/benchmarks.md`` for measured values.
     validate : bool
         Check shapes and finiteness of inputs (one host sync per call).
@@ -258,12 +261,14 @@ class GLQuotient(QuotientManifold):
     Every operation at a point runs through its tangent space, `M.at(x)`
     ([`GLTangentSpace`][quotient_manifolds.manifolds.gl_quotient.GLTangentSpace]).
 
-    * :meth:`proju` is the metric-orthogonal projection onto the horizontal
-      space (§5.3.5): closed form for ``mix``; for ``inv`` the corrected
-      Sylvester equation ``AΩ + ΩA = B``, ``A = PQ``, solved in the
-      eigenbasis of ``A``.
-    * :meth:`egrad2rgrad` is the horizontal Riemannian gradient (§5.3.6).
-    * :meth:`projx` is the identity: points are never moved along orbits.
+    * [`proju`][quotient_manifolds.manifolds.gl_quotient.GLQuotient.proju] is the metric-orthogonal
+      projection onto the horizontal space ([projection][horizontal-projection]): closed form
+      for ``mix``; for ``inv`` the corrected Sylvester equation ``AΩ + ΩA = B``, ``A = PQ``,
+      solved in the eigenbasis of ``A``.
+    * [`egrad2rgrad`][quotient_manifolds.manifolds.gl_quotient.GLQuotient.egrad2rgrad] is the
+      horizontal Riemannian gradient (Alg. 1 line 10, App. C.2).
+    * [`projx`][quotient_manifolds.manifolds.gl_quotient.GLQuotient.projx] is the identity: points
+      are never moved along orbits.
     * geoopt has no ``maximize``: for ascent, minimise the negated objective.
     """
 
@@ -396,7 +401,8 @@ class GLQuotient(QuotientManifold):
 
     # -- group structure --------------------------------------------------------
     def vertical(self, x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:
-        r"""The vertical vector ``(GΩ, −HΩᵀ)`` for ``Ω ∈ R^{h×h}`` (§5.3.2)."""
+        r"""The vertical vector ``(GΩ, −HΩᵀ)`` for $Ω \in R^{h\times h}$
+        ([vertical space][vertical-space])."""
         G, H = self.split(x)
         vG, vH = gl.vertical(G, H, omega.to(x.dtype))
         return self._join(vG, vH, x.dtype)
@@ -419,7 +425,8 @@ class GLQuotient(QuotientManifold):
         return torch.randn(shape, dtype=dtype, device=device) / shape[-1] ** 0.5
 
     def _origin_tensor(self, shape, dtype, device) -> torch.Tensor:
-        """``G = I_{n×h}``, ``H = I_{m×h}`` (truncated identities), broadcast to ``shape``."""
+        r"""$G = I_{n\times h}$, $H = I_{m\times h}$ (truncated identities), broadcast to
+        ``shape``."""
         h = shape[-1]
         eye = torch.cat(
             [torch.eye(self.n, h, dtype=dtype, device=device),

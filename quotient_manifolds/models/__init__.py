@@ -1,6 +1,6 @@
 """Model layer: symmetry discovery, block specs and the geometry of a whole model.
 
-Imports only from :mod:`quotient_manifolds.manifolds`, ``geometry`` and ``errors``.
+Imports only from `quotient_manifolds.manifolds`, ``geometry`` and ``errors``.
 """
 
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block

@@ -1,6 +1,6 @@
 """Sharpness layer: feasible sets, Auto-PGD and the other solvers, the engine and the measures.
 
-Imports only from :mod:`quotient_manifolds.models` and ``manifolds``; the geometry is reached
+Imports only from `quotient_manifolds.models` and ``manifolds``; the geometry is reached
 only through the tangent spaces ``M.at(x0)`` of the manifolds.
 """
 

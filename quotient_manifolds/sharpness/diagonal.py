@@ -2,34 +2,33 @@ r"""Exact geodesic and adaptive sharpness of diagonal networks, batched over a p
 
 A diagonal network predicts ``x ↦ xᵀ(u ⊙ v)``; write ``β = u ⊙ v``.  Its loss is
 
-.. math::
+$$
+L(u, v) = c\,\|X(u \odot v) - y\|_2^2, \qquad c = 1 \ (\text{"sum"}, paper §5.1)
+\ \text{or}\ c = 1/(2n) \ (\text{"half_mean"}, Andriushchenko et al.).
+$$
 
-    L(u, v) = c\,‖X(u ⊙ v) − y‖_2^2, \qquad c = 1 \ (\text{"sum"}, paper §5.1)
-    \ \text{or}\ c = 1/(2n) \ (\text{"half_mean"}, Andriushchenko et al.).
-
-Horizontal vectors are ``ξ = (b ⊙ u, b ⊙ v)``, ``b ∈ R^d`` (spec §5.2), so every geodesic
+Horizontal vectors are ``ξ = (b ⊙ u, b ⊙ v)``, ``b ∈ R^d`` (§5.1, Eq. 6/7), so every geodesic
 measure is a maximisation over ``b``:
 
-.. math::
+$$
+S^ρ(u, v) = \max_{\|A \odot b\|_2 \le ρ,\ b \in \mathcal D} L(R_{(u,v)}(bu, bv)) - L(u, v),
+$$
 
-    S^ρ(u, v) = \max_{‖A ⊙ b‖_2 ≤ ρ,\ b ∈ \mathcal D} L(R_{(u,v)}(bu, bv)) − L(u, v),
+with the perturbation ``R`` chosen by ``retraction`` (Eq. 5; Eq. 24):
 
-with the perturbation ``R`` chosen by ``retraction`` (spec §6.3, §6.4.1):
-
-* ``"exact"``: the closed-form geodesic, inv ``β e^{2b}``, mix ``β (1 + 2b)``
-  (the tangent space of :class:`~quotient_manifolds.manifolds.DiagonalQuotient`);
+* ``"exact"``: the closed-form geodesic, inv $β e^{2b}$, mix ``β (1 + 2b)``
+  (the tangent space of [`DiagonalQuotient`][quotient_manifolds.manifolds.DiagonalQuotient]);
 * ``"second_order"``: ``w + ξ − ½Γ_w(ξ, ξ)`` (Eq. 5);
 * ``"first_order"``: ``w + ξ``, i.e. ``β(1 + b)²`` (App. G ablation (b)),
 
-and the ball weights ``A`` chosen by ``ball`` (spec §5.2, §10.1, §12.7):
+and the ball weights ``A`` chosen by ``ball`` (§5.1, Eq. 6/7; App. E;
+[√2 constants][sqrt2-constants]; App. G, H.2):
 
-==================  ======================  ============================================
-``ball``            inv                     mix
-==================  ======================  ============================================
-``"metric"``        ``A = √2``              ``A = √2 |β|`` (``‖ξ‖²_mix = 2‖β ⊙ b‖²``)
-``"coefficient"``   ``A = 1``               ``A = 1`` (``‖b‖ ≤ ρ``, App. E's inv ball)
-``"adaptive"``      ``A = √2``              ``A = √2`` (App. G ablation (a): ``‖ξ ⊘ |w|‖``)
-==================  ======================  ============================================
+| ``ball`` | inv | mix |
+|---|---|---|
+| ``"metric"`` | ``A = √2`` | ``A = √2 |β|`` (``‖ξ‖²_mix = 2‖β ⊙ b‖²``) |
+| ``"coefficient"`` | ``A = 1`` | ``A = 1`` (``‖b‖ ≤ ρ``, App. E's inv ball) |
+| ``"adaptive"`` | ``A = √2`` | ``A = √2`` (App. G ablation (a): ``‖ξ ⊘ |w|‖``) |
 
 For inv the metric norm *is* the adaptive norm (App. F), so ``"adaptive"`` = ``"metric"``
 there, and ``"coefficient"`` only rescales ρ by √2.  For mix the three differ: with the
@@ -41,7 +40,7 @@ with the β-weighted norm ``‖2 D_β b‖ = √2 ‖ξ‖_mix``, i.e. the metri
 ``‖b‖ ≤ ρ`` (``"coefficient"``) is App. E's *inv* convention (where it is the metric ball up
 to √2 in ρ); applied to mix it is a different ball.
 
-The mix geodesic ``u√(1 + 2b)`` needs ``1 + 2b > 0`` (spec §6.4.1), so its feasible set is
+The mix geodesic ``u√(1 + 2b)`` needs ``1 + 2b > 0`` (Eq. 24), so its feasible set is
 ``𝒟 = {b_i ≥ −½ + δ}``.  The box contains 0 and is star-shaped about it, so "clamp, then
 shrink radially" keeps both constraints.  Coordinates with ``u_i = 0`` or ``v_i = 0``
 (outside the quotient ``R_*^d × R_*^d``) are masked: their ``b_i`` stays 0.
@@ -52,13 +51,13 @@ Adaptive sharpness (``measure="adaptive"``, Eq. 1) perturbs all ``2d`` weights:
 The population is one batch of independent problems: the tangent vectors of all members are
 one ``(B, 2d)`` tensor of the product tangent space of ``DiagonalQuotient(...).at(x0)`` (resp.
 ``AdaptiveEuclidean().at(w)``), the feasible set is the model engine's
-:class:`~quotient_manifolds.sharpness.feasible.MetricBall` (``ball="metric"``) or
-:class:`~quotient_manifolds.sharpness.feasible.AdaptiveNormBall` with ``c = |w|`` (``"adaptive"``;
-``"coefficient"`` is the same ball at radius ``√2ρ``, since ``‖ξ ⊘ |w|‖² = 2‖b‖²``), and the worst
-case is found by the model engine's Auto-PGD (:func:`~quotient_manifolds.sharpness.apgd.apgd`),
-whose state has one entry per member. The average case draws ``ρ`` times a standard Gaussian of
-the ball's norm on the horizontal space; coordinates that leave the mix domain are redrawn (a
-truncated Gaussian).
+[`MetricBall`][quotient_manifolds.sharpness.feasible.MetricBall] (``ball="metric"``) or
+[`AdaptiveNormBall`][quotient_manifolds.sharpness.feasible.AdaptiveNormBall] with ``c = |w|``
+(``"adaptive"``; ``"coefficient"`` is the same ball at radius ``√2ρ``, since
+``‖ξ ⊘ |w|‖² = 2‖b‖²``), and the worst case is found by the model engine's Auto-PGD
+([`apgd`][quotient_manifolds.sharpness.apgd.apgd]), whose state has one entry per member. The
+average case draws ``ρ`` times a standard Gaussian of the ball's norm on the horizontal space;
+coordinates that leave the mix domain are redrawn (a truncated Gaussian).
 
 **Unconstrained mix** (``domain=False``, exact mix only). The formula ``β' = β(1 + 2b)`` is a
 polynomial that can be continued past the geodesic's domain. Every ball above is diagonal in
@@ -66,7 +65,7 @@ polynomial that can be continued past the geodesic's domain. Every ball above is
 ``D = diag(2β/A)``, ``β' = β + D s`` and the loss increase
 ``f(s) = gᵀs + ½ sᵀ M s`` (``g = 2c D Xᵀ r``, ``M = 2c D XᵀX D``, ``r = Xβ − y``) is a convex
 quadratic on the ball ``‖s‖ ≤ ρ``: a trust-region problem, solved exactly
-(:func:`mix_trust_region`: eigendecomposition of ``M`` and the secular equation, with the
+(`mix_trust_region`: eigendecomposition of ``M`` and the secular equation, with the
 "hard case"). The average case then draws untruncated Gaussians.
 """
 
@@ -117,9 +116,9 @@ def perturb_horizontal(
 ) -> torch.Tensor:
     r"""``β`` after moving ``(u, v)`` along the horizontal vector ``(b ⊙ u, b ⊙ v)``.
 
-    Uses the tangent space of :class:`~quotient_manifolds.manifolds.DiagonalQuotient`, so
-    ``"exact"`` is the closed-form geodesic: inv ``β e^{2b}``, mix ``β(1 + 2b)``, and
-    raises :class:`~quotient_manifolds.errors.GeodesicDomainError` if ``1 + 2b ≤ 0``
+    Uses the tangent space of [`DiagonalQuotient`][quotient_manifolds.manifolds.DiagonalQuotient],
+    so ``"exact"`` is the closed-form geodesic: inv $β e^{2b}$, mix ``β(1 + 2b)``, and
+    raises [`GeodesicDomainError`][quotient_manifolds.errors.GeodesicDomainError] if ``1 + 2b ≤ 0``
     for mix.  ``"second_order"`` gives inv ``β(1 + b + b²/2)²`` and mix
     ``β(1 + b − b²/2)²``; ``"first_order"`` gives ``β(1 + b)²`` for both metrics.
     """
@@ -198,13 +197,13 @@ def diagonal_sharpness(
         generator, so a member's value does not depend on which other rows are
         measured with it (what a cached, resumable population needs).
     reduction : {"half_mean", "sum"}
-        Loss convention (:func:`diagonal_loss`); it scales every value by the same factor.
+        Loss convention (`diagonal_loss`); it scales every value by the same factor.
     domain_margin : float
         ``δ`` in the mix domain ``b ≥ −½ + δ``.
     domain : bool
         ``False`` (exact mix only): drop the domain constraint ``1 + 2b > 0`` and continue
         ``β(1 + 2b)`` past it (the unconstrained mix of the module docstring); the worst case
-        is then solved exactly by :func:`mix_trust_region` (``n_iter``/``n_restarts``
+        is then solved exactly by `mix_trust_region` (``n_iter``/``n_restarts``
         unused), the average case draws untruncated Gaussians.
 
     Returns

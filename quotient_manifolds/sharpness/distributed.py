@@ -1,24 +1,26 @@
 r"""Data-parallel sharpness under ``torch.distributed`` (``torchrun``).
 
-Two ways to share the work of :func:`~quotient_manifolds.geodesic_sharpness` and
-:func:`~quotient_manifolds.adaptive_sharpness` among the ``W`` ranks of a process group
-(see ``docs/distributed.md``). Nothing is shared unless asked for: ``shard=None`` (the default)
-runs everything on this process, even inside a ``torchrun`` job, and no collective is called.
+Two ways to share the work of [`geodesic_sharpness`][quotient_manifolds.geodesic_sharpness] and
+[`adaptive_sharpness`][quotient_manifolds.adaptive_sharpness] among the ``W`` ranks of a process
+group (see ``docs/distributed.md``). Nothing is shared unless asked for: ``shard=None`` (the
+default) runs everything on this process, even inside a ``torchrun`` job, and no collective is
+called.
 
 ``shard="batches"``
     Rank ``r`` solves the inner maximisation of the batches ``b`` with ``b mod W = r``,
     exactly as a single process would; the per-batch records are then gathered, so every
-    rank returns the same :class:`SharpnessResult`, whose per-batch values equal a
-    single-process run's.  Every rank must iterate the same ``data`` in the same order.
+    rank returns the same [`SharpnessResult`][quotient_manifolds.SharpnessResult], whose per-batch
+    values equal a single-process run's.  Every rank must iterate the same ``data`` in the same
+    order.
 
 ``shard="within_batch"``
     Every rank takes a slice of every batch (dim 0 of each tensor, by default); the
     loss is the slice-size weighted sum of the per-rank losses and the gradients are
     summed over ranks:
 
-    .. math::
-
-        L = \sum_r \frac{n_r}{N} L_r, \qquad ∇_ξ L = \sum_r \frac{n_r}{N} ∇_ξ L_r ,
+    $$
+    L = \sum_r \frac{n_r}{N} L_r, \qquad ∇_ξ L = \sum_r \frac{n_r}{N} ∇_ξ L_r,
+    $$
 
     which is the full-batch loss when ``loss_fn`` returns a *mean over the examples* of
     its batch.  The tangent vector ξ is the same on every rank throughout (every rank
@@ -26,7 +28,8 @@ runs everything on this process, even inside a ``torchrun`` job, and no collecti
     single-process one up to float rounding of the sums.
 
 ``shard="none"`` (or ``None``) runs everything on this process. Options other than the mode
-go into a :class:`Shard`: ``shard=Shard("within_batch", split_batch=fn, group=g)``.
+go into a [`Shard`][quotient_manifolds.sharpness.distributed.Shard]:
+``shard=Shard("within_batch", split_batch=fn, group=g)``.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ def default_split(batch: object, rank: int, world_size: int) -> tuple[object, in
 
     Every tensor (also inside dicts, lists and tuples, e.g. a Hugging Face batch
     ``{"input_ids": …, "labels": …}`` or ``(x, y)``) is cut along dim 0 by
-    :func:`torch.tensor_split` into ``world_size`` near-equal parts; 0-d tensors and
+    `torch.tensor_split` into ``world_size`` near-equal parts; 0-d tensors and
     non-tensors are passed whole.  The size is dim 0 of the first tensor found.
     """
     n = _rows(batch)
@@ -216,7 +219,8 @@ class ShardContext:
         return _dist().get_global_rank(self.group, rank)
 
     def check_same(self, tensors: list[torch.Tensor]) -> None:
-        """Raise :class:`DistributedError` unless every rank has the same base point.
+        """Raise [`DistributedError`][quotient_manifolds.errors.DistributedError] unless every rank
+        has the same base point.
 
         Compares shapes and the float64 sums of ``t`` and ``t²`` of every tensor (relative
         tolerance 1e-9, so that summation order on different machines does not matter).
@@ -270,7 +274,8 @@ class Shard:
         How the ranks share the work.
     split_batch : callable, optional
         ``split_batch(batch, rank, world_size) -> (slice, n_examples)`` for
-        ``"within_batch"``; default :func:`default_split`.
+        ``"within_batch"``; default
+        [`default_split`][quotient_manifolds.sharpness.distributed.default_split].
     group : ProcessGroup, optional
         The process group (default: the world).
     """
@@ -288,11 +293,13 @@ class Shard:
 
 def resolve_shard(shard: str | Shard | None, split_batch: SplitFn | None = None,
                   group: object = None) -> ShardContext:
-    """The :class:`ShardContext` of a sharpness call.
+    """The [`ShardContext`][quotient_manifolds.sharpness.distributed.ShardContext] of a sharpness
+    call.
 
     ``shard=None`` or ``"none"`` runs on this process alone, whether or not a process group
-    exists. A mode (or a :class:`Shard`) shares the work among the ranks of an initialised
-    group; without one (or with a single rank) it also runs on this process alone.
+    exists. A mode (or a [`Shard`][quotient_manifolds.sharpness.distributed.Shard]) shares the work
+    among the ranks of an initialised group; without one (or with a single rank) it also runs on
+    this process alone.
     """
     if shard is None:
         shard = "none"

@@ -1,20 +1,20 @@
-r"""Loss slices along geodesics versus straight lines (``qm.landscape``; issue 5).
+r"""Loss slices along geodesics versus straight lines (``qm.landscape``).
 
 For a base point ``x``, a manifold ``M`` and tangent directions ``ξ₁, ξ₂`` (horizontal
 for a quotient), compare
 
-.. math::
-
-    t ↦ L(\exp_x(tξ₁)) \quad\text{(geodesic)}\qquad\text{and}\qquad
-    t ↦ L(x + tξ₁) \quad\text{(straight line, same initial velocity)},
+$$
+t \mapsto L(\exp_x(tξ_{1})) \quad\text{(geodesic)}\qquad\text{and}\qquad
+t \mapsto L(x + tξ_{1}) \quad\text{(straight line, same initial velocity)},
+$$
 
 and the 2-D analogues ``L(exp_x(sξ₁ + tξ₂))`` and ``L(x + sξ₁ + tξ₂)``.  Both curves
 agree to first order at ``t = 0``; they differ by the Christoffel term
-``−½ t² Γ_x(ξ, ξ)`` (spec §6.3), which is what separates geodesic from adaptive sharpness.
+``−½ t² Γ_x(ξ, ξ)`` (Eq. 5), which is what separates geodesic from adaptive sharpness.
 Points where the geodesic leaves the manifold
-(:class:`~quotient_manifolds.errors.GeodesicDomainError`) are NaN.
+([`GeodesicDomainError`][quotient_manifolds.errors.GeodesicDomainError]) are NaN.
 
-Layer: uses :mod:`quotient_manifolds.manifolds` only.
+Layer: uses `quotient_manifolds.manifolds` only.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ Each entry is a frozen [`Measure`][quotient_manifolds.sharpness.measures.Measure
 | `…-first-order` | `retraction="first_order"` | App. G ablation (b): no second-order term |
 | `…-average` | Gaussian average | the average case (App. D) |
 
-Result keys in the experiments use underscores: [`Measure.key`][quotient_manifolds.sharpness.measures.Measure.key].
+Result keys in the experiments use underscores:
+[`Measure.key`][quotient_manifolds.sharpness.measures.Measure.key].
 """  # noqa: E501
 
 from __future__ import annotations

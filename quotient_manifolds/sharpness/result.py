@@ -10,7 +10,8 @@ __all__ = ["SharpnessResult"]
 
 @dataclass
 class SharpnessResult:
-    """Outcome of :func:`geodesic_sharpness` or :func:`adaptive_sharpness`.
+    """Outcome of [`geodesic_sharpness`][quotient_manifolds.geodesic_sharpness] or
+    [`adaptive_sharpness`][quotient_manifolds.adaptive_sharpness].
 
     Attributes
     ----------
@@ -34,7 +35,8 @@ class SharpnessResult:
         The radius, the geometry (`Geometry.settings()`), the settings of the solver that ran
         (and no other's), the number of perturbed parameters and of frozen zero weights.
     blocks : list of dict
-        The GL blocks used (see :meth:`BlockSpec.describe`).
+        The GL blocks used (see
+        [`BlockSpec.describe`][quotient_manifolds.models.BlockSpec.describe]).
     fallbacks : list of dict
         Modules whose weights fell back to the adaptive geometry, and why.
     n_evals : int

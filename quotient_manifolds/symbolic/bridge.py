@@ -185,7 +185,7 @@ def retraction_bridge(
 
     ``candidate(x, u) -> point`` (torch, packed ``(n+m, h)``) defaults to
     ``GLQuotient(n, m, metric, eps).at(x).retract(u, "second_order")``, the fused span-form
-    kernel :func:`~quotient_manifolds.geometry.gl.second_order` with its hand-written
+    kernel [`second_order`][quotient_manifolds.geometry.gl.second_order] with its hand-written
     backward. The gradient of ``⟨w, R(ξ)⟩`` must equal ``w − Γ_x(ξ, ·)ᵀ w`` (Γ symmetric
     bilinear), assembled column by column from the metric-derived Γ.
     """

@@ -289,10 +289,11 @@ def check_christoffel_gl_quadratic(
     eps: sp.Expr = sp.S.Zero,
 ) -> CheckResult:
     r"""GL(h) blocks: the quadratic fast path ``candidate(…, vG=None, vH=None)`` (what the
-    retractions use) equals the metric-derived ``Γ^λ_{μν}ξ^μξ^ν``.
+    retractions use) equals the metric-derived $Γ^λ_{μν}ξ^μξ^ν$.
 
-    The polarised form is proven by :func:`check_christoffel_gl`; the quadratic form is a
-    separate code path (fewer products), so it is proven on its own.
+    The polarised form is proven by
+    [`check_christoffel_gl`][quotient_manifolds.symbolic.checks.check_christoffel_gl]; the quadratic
+    form is a separate code path (fewer products), so it is proven on its own.
     """
     block = GLBlock(n, m, h, eps)
 

@@ -1,7 +1,7 @@
 r"""Symbolic checks of the subgroup quotients (rotary commutant) and their projection.
 
-The library's subgroup kernels (:mod:`quotient_manifolds.geometry.subgroup`) are evaluated on
-SymPy tensors: ``RotaryCommutant.project`` (the Frobenius projection onto
+The library's subgroup kernels ([`geometry.subgroup`][quotient_manifolds.geometry.subgroup]) are
+evaluated on SymPy tensors: ``RotaryCommutant.project`` (the Frobenius projection onto
 $\mathfrak k$), ``vertical_dual`` / ``horizontal_residual`` and ``dual_operator``.  Everything
 they are compared with is derived here from the definitions alone:
 
