@@ -61,7 +61,7 @@ def hf_pop(tmp_path, monkeypatch):
 
 
 ARGS = ["sharpness", "--batches", "batches.safetensors", "--batch-size", "4", "--n-iter", "2",
-        "--rho", "0.2", "--measures", "adaptive,geodesic-inv", "--no-progress"]
+        "--rho", "0.2", "--measures", "adaptive,geodesic-inv-full", "--no-progress"]
 
 
 def test_three_checkpoint_folders_one_command(hf_pop, capsys):
@@ -69,13 +69,13 @@ def test_three_checkpoint_folders_one_command(hf_pop, capsys):
     assert main([*ARGS, "--out", "r.jsonl", *ckpts]) == 0, capsys.readouterr().err
     recs = read_jsonl(hf_pop / "r.jsonl")
     assert sorted((r["checkpoint"], r["measure"]) for r in recs) == sorted(
-        (c, m) for c in ckpts for m in ("adaptive", "geodesic-inv"))
+        (c, m) for c in ckpts for m in ("adaptive", "geodesic-inv-full"))
     batches = load_batches(hf_pop / "batches.safetensors", 4)
     assert [len(b["labels"]) for b in batches] == [4, 4, 2]  # stored order, remainder last
     for r in recs:
         assert r["n_batches"] == 3 and r["model"] == "hf" and r["stem"] == r["checkpoint"][-2:]
         assert r["architecture"] == "BertForSequenceClassification"
-        assert r["n_blocks"] == (2 if r["measure"] == "geodesic-inv" else 0)  # QK and VO
+        assert r["n_blocks"] == (2 if r["measure"] == "geodesic-inv-full" else 0)  # QK and VO
         model = transformers.BertForSequenceClassification.from_pretrained(
             r["checkpoint"], attn_implementation="eager")
         assert model.config._attn_implementation == "eager"
@@ -95,7 +95,7 @@ def test_three_checkpoint_folders_one_command(hf_pop, capsys):
     # a re-run computes nothing; correlate keys checkpoints by folder name or path
     assert main([*ARGS, "--out", "r.jsonl", *ckpts]) == 0
     assert "6 skipped" in capsys.readouterr().out
-    geo = {r["checkpoint"]: r["value"] for r in recs if r["measure"] == "geodesic-inv"}
+    geo = {r["checkpoint"]: r["value"] for r in recs if r["measure"] == "geodesic-inv-full"}
     gap = {c: float(i) ** 2 - geo[c] for i, c in enumerate(ckpts)}
     names = ["m0", "ckpts/m1/", str(hf_pop / "ckpts" / "m2")]
     (hf_pop / "gaps.csv").write_text("checkpoint,gap\n" + "".join(
@@ -105,7 +105,7 @@ def test_three_checkpoint_folders_one_command(hf_pop, capsys):
     assert blob["n_members"] == 3 and blob["unmatched"] == []
     by = {r["measure"]: r for r in blob["rows"]}
     want_tau = kendalltau([geo[c] for c in ckpts], [gap[c] for c in ckpts]).statistic
-    assert by["geodesic-inv"]["tau"] == pytest.approx(want_tau)
+    assert by["geodesic-inv-full"]["tau"] == pytest.approx(want_tau)
 
 
 def _err(capsys, argv):
@@ -195,7 +195,7 @@ def test_image_classifier_folder_with_pixel_values(tmp_path, monkeypatch, capsys
                "labels": torch.randint(0, 3, (5,), generator=g)}, str(tmp_path / "img.st"))
     monkeypatch.chdir(tmp_path)
     assert main(["sharpness", "--batches", "img.st", "--batch-size", "3", "--n-iter", "2",
-                 "--measures", "geodesic-mix", "--no-progress", "vit"]) == 0, \
+                 "--measures", "geodesic-mix-full", "--no-progress", "vit"]) == 0, \
         capsys.readouterr().err
     (rec,) = read_jsonl("results.jsonl")
     # float64 pixels are cast to the float32 model; 2 batches (3 + 2 rows)

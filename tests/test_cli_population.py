@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,7 +125,7 @@ def test_interrupt_resume_and_correlate(pop):
     d, ckpts = pop
     out = d / "results.jsonl"
     # 1. Ctrl-C in the middle: finished lines stay, the process says how to resume
-    p = _cli(d, *SHARP, "--measures", "geodesic-inv", "--out", "results.jsonl", *ckpts,
+    p = _cli(d, *SHARP, "--measures", "geodesic-inv-full", "--out", "results.jsonl", *ckpts,
              env={"POP_SLOW": "0.4"})
     t0 = time.time()
     while (not out.exists() or not out.read_bytes().count(b"\n")) and time.time() - t0 < 90:
@@ -140,7 +141,7 @@ def test_interrupt_resume_and_correlate(pop):
     #    which computes only what is missing, for a larger set of measures
     with out.open("ab") as f:
         f.write(b'{"checkpoint": "m9.pt", "val')
-    code, stdout, err = _run(d, *SHARP, "--measures", "geodesic-inv,adaptive", "--out",
+    code, stdout, err = _run(d, *SHARP, "--measures", "geodesic-inv-full,adaptive", "--out",
                              "results.jsonl", *ckpts)
     assert code == 0, err
     assert f"{len(first)} result(s) already there, skipped" in err
@@ -149,16 +150,16 @@ def test_interrupt_resume_and_correlate(pop):
     assert len(lines) == 2 * N_CKPT
     assert len({r["key"] for r in lines}) == 2 * N_CKPT
     assert {(r["checkpoint"], r["measure"]) for r in lines} == {
-        (c, m) for c in ckpts for m in ("geodesic-inv", "adaptive")}
+        (c, m) for c in ckpts for m in ("geodesic-inv-full", "adaptive")}
     for r in lines:
         assert r["rho"] == 0.2 and r["n_iter"] == 3 and r["n_batches"] == 2
         assert math.isfinite(r["value"]) and r["value"] >= 0
         assert r["value"] == pytest.approx(sum(r["per_batch"]) / 2)
-        assert r["n_blocks"] == (2 if r["measure"] == "geodesic-inv" else 0)  # QK and VO specs
+        assert r["n_blocks"] == (2 if r["measure"] == "geodesic-inv-full" else 0)  # QK and VO specs
 
     # 3. correlate against gaps built from the measured values: the CLI's τ must be the one
     #    scipy gives on the same pairs; gaps name checkpoints by stem and by path
-    geo = {r["checkpoint"]: r["value"] for r in lines if r["measure"] == "geodesic-inv"}
+    geo = {r["checkpoint"]: r["value"] for r in lines if r["measure"] == "geodesic-inv-full"}
     ada = {r["checkpoint"]: r["value"] for r in lines if r["measure"] == "adaptive"}
     gap = {c: -geo[c] for c in ckpts}  # perfectly anti-ordered with geodesic-inv
     rows = ["checkpoint,gap"] + [f"{c if i % 2 else c.rsplit('.', 1)[0]},{gap[c]!r}"
@@ -169,14 +170,14 @@ def test_interrupt_resume_and_correlate(pop):
     assert code == 0, err
     blob = json.loads((d / "corr" / "correlation.json").read_text())
     by = {r["measure"]: r for r in blob["rows"]}
-    assert by["geodesic-inv"]["tau"] == pytest.approx(-1.0)
+    assert by["geodesic-inv-full"]["tau"] == pytest.approx(-1.0)
     want = kendalltau([ada[c] for c in ckpts], [gap[c] for c in ckpts]).statistic
     assert by["adaptive"]["tau"] == pytest.approx(want)
     lo, hi = by["adaptive"]["ci95"]
     assert lo - 1e-9 <= by["adaptive"]["tau"] <= hi + 1e-9
     assert blob["n_members"] == N_CKPT and blob["unmatched"] == []
-    assert "geodesic-inv" in stdout and f"{by['adaptive']['tau']:.3f}" in stdout
-    for m in ("geodesic-inv", "adaptive"):
+    assert "geodesic-inv-full" in stdout and f"{by['adaptive']['tau']:.3f}" in stdout
+    for m in ("geodesic-inv-full", "adaptive"):
         png = d / "corr" / f"scatter_{m}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -241,7 +242,7 @@ def test_factory_errors(inproc, capsys, factory, expect):
 def test_factory_by_file_path_and_custom_loss(inproc, capsys):
     d, ckpts = inproc
     code = main(["sharpness", "--model", f"{d / 'popmod.py'}:make_model", "--data",
-                 "popmod:make_data", "--loss", "popmod:mse_loss", "--measures", "geodesic-mix",
+                 "popmod:make_data", "--loss", "popmod:mse_loss", "--measures", "geodesic-mix-full",
                  "--n-iter", "2", "--no-progress", "--out", "f.jsonl", "--dtype", "float64",
                  *ckpts[:2]])
     assert code == 0, capsys.readouterr().err
@@ -314,3 +315,15 @@ def test_malformed_gaps(inproc, capsys, text, expect):
     assert expect in line
     assert "missing.csv does not exist" in _err(capsys, ["correlate", "res.jsonl",
                                                          "missing.csv"])
+
+
+def test_default_measures_are_the_full_group_and_documented():
+    """The default measures quotient out every recognised symmetry (the library default); the
+    command synopsis in docs/cli.md shows them."""
+    from quotient_manifolds.experiments.population import MEASURES
+    from quotient_manifolds.sharpness.measures import measure
+
+    assert MEASURES == ("adaptive", "geodesic-inv-full", "geodesic-mix-full")
+    assert all(measure(n).geometry.symmetry == "full" for n in MEASURES if n != "adaptive")
+    cli_md = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    assert f"[--measures {','.join(MEASURES)}]" in cli_md

@@ -54,7 +54,7 @@ FACTORY = textwrap.dedent(
     """
 )
 N_CKPT = 6
-MEASURES = ("adaptive", "geodesic-inv")
+MEASURES = ("adaptive", "geodesic-inv-full")
 SHARP = ["sharpness", "--model", "popmod:make_model", "--data", "popmod:make_data",
          "--n-iter", "2", "--rho", "0.2", "--measures", ",".join(MEASURES), "--no-progress"]
 INFO = ("elapsed_s", "rank", "world_size")  # what may differ between the runs

@@ -85,10 +85,11 @@ __all__ = [
     "read_jsonl",
 ]
 
-MEASURES = ("adaptive", "geodesic-inv", "geodesic-mix")
+MEASURES = ("adaptive", "geodesic-inv-full", "geodesic-mix-full")
 """The default measures: adaptive sharpness (Eq. 1, ℓ2 ball, reference algorithm) and
-geodesic sharpness (Eq. 4) with the `inv` or `mix` metric and the second-order retraction
-(Eq. 5). Any name of the measure table
+geodesic sharpness (Eq. 4) with the `inv` or `mix` metric, the second-order retraction
+(Eq. 5) and every symmetry the library recognises (the library's default; `geodesic-inv` and
+`geodesic-mix` are the paper's measure, GL(h) per head). Any name of the measure table
 (`quotient_manifolds.sharpness.measures.MEASURES`) may be asked for."""
 
 
