@@ -88,8 +88,7 @@ def test_invariance_mha(metric):
     assert ref.value > 0
     ad_changes = []
     for a in (1e-2, 1.0, 1e2):
-        new = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(7),
-                               symmetry="paper")
+        new = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(7))
         torch.testing.assert_close(new(data[0][0]), model(data[0][0]), rtol=1e-8, atol=1e-10)
         r = qm.geodesic_sharpness(new, ce_loss, data, rho=0.2, metric=metric, n_iter=8)
         assert abs(r.value / ref.value - 1) < 1e-6, (a, r.value, ref.value)
@@ -108,8 +107,7 @@ def test_invariance_transformers(which):
     ref = qm.geodesic_sharpness(model, lf, data, **kw)
     ad_ref = qm.adaptive_sharpness(model, lf, data, **kw)
     for a in (1e-2, 1e2):
-        new = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(11),
-                               symmetry="paper")
+        new = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(11))
         r = qm.geodesic_sharpness(new, lf, data, **kw)
         assert abs(r.value / ref.value - 1) < 1e-6, (a, r.value, ref.value)
         ad = qm.adaptive_sharpness(new, lf, data, **kw)
@@ -124,8 +122,7 @@ def test_invariance_minilm_real_weights():
     ref = qm.geodesic_sharpness(model, minilm_loss, data, **kw)
     assert len(ref.blocks) == 12 and ref.fallbacks == []
     for a in (1e-2, 1.0, 1e2):
-        new = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(0),
-                               symmetry="paper")
+        new = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(0))
         r = qm.geodesic_sharpness(new, minilm_loss, data, **kw)
         assert abs(r.value / ref.value - 1) < 1e-6, (a, r.value, ref.value)
 

@@ -67,7 +67,7 @@ PROBE_RTOL = 1e-10
 PROBE_EXCITATION = 1e-3
 """Smallest relative output change the non-symmetric control must cause."""
 
-_SCALES = (1.0, 8.0, 64.0)
+_SCALES = (1.0, 8.0, 64.0, 1 / 8, 1 / 64)
 _RATIO = 1e-4  # a symmetric change must move the output 10⁴ times less than the control
 _HIDDEN_NAMES = frozenset({
     "hidden_states", "hidden_state", "encoder_hidden_states", "key_value_states", "x",
@@ -678,11 +678,17 @@ def tolerance(module: nn.Module, params: Mapping[str, torch.Tensor], args: Seque
 
 def _probe_one(block, module, prefix, call, params, gen) -> ProbeRecord:
     names = block.params
-    base = _redraw(params, names, gen)
+    # every other weight the probed module reads is redrawn too: whether the probe can excite
+    # the block must not depend on where the model sits on its orbit (a value bias translated
+    # far by a fold, norm gains scaled by 100, would otherwise hide the Q/K block)
+    inside = prefix + "." if prefix else ""
+    others = [n for n in params if n.startswith(inside) and n not in names
+              and params[n].is_floating_point()]
+    base = _redraw(params, [*names, *others], gen)
     A = random_group_element(block.group, block.heads, block.h, gen)
     sym = _act(block, base, A, one_sided=False)
     ctrl = _act(block, base, A, one_sided=True)
-    pa, ps, pc = (_local(prefix, d, names) for d in (base, sym, ctrl))
+    pa, ps, pc = (_local(prefix, d, [*names, *others]) for d in (base, sym, ctrl))
     args, kwargs = call
     err = ref = math.nan
     scale = _SCALES[0]
