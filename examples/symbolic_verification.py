@@ -7,9 +7,10 @@
    blocks (Eq. 11, 12 incl. the ``H`` part the paper omits) and the horizontal space of a GL(2)
    block (and, without ``--small``, the inv horizontal projection).
 3. Feed the same checks wrong formulas: the paper's printed inv horizontal condition
-   ``ξ_GᵀGQ = P Hᵀ ξ_Hᵀ`` (spec §14 item 2), a mix Christoffel form without its ``H`` part, and
-   (without ``--small``) the paper's printed Sylvester equation ``AΛ + ΛAᵀ = B`` (spec §14
-   item 3). Each is rejected with a counterexample, while the library's own formulas pass.
+   ``ξ_GᵀGQ = P Hᵀ ξ_Hᵀ``, a mix Christoffel form without its ``H`` part, and (without
+   ``--small``) the paper's printed Sylvester equation ``AΛ + ΛAᵀ = B`` (both printed forms
+   and their corrections: docs/corrections.md). Each is rejected with a counterexample, while
+   the library's own formulas pass.
 
 The full table (``python -m quotient_manifolds verify``) covers every check; see
 docs/derivations.md. Run::

@@ -1,4 +1,4 @@
-"""``quotient-manifolds sharpness`` / ``correlate`` driven as a user would (issue 7).
+"""``quotient-manifolds sharpness`` / ``correlate`` driven as a user would.
 
 The end-to-end runs go through ``subprocess`` (``python -m quotient_manifolds ...``) with a
 tiny attention classifier and its data in a module written to ``tmp_path``. Each subprocess

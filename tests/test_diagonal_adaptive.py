@@ -1,4 +1,4 @@
-"""Property tests of DiagonalQuotient and AdaptiveEuclidean (spec §5.2, §6.4, §6.6)."""
+"""Property tests of DiagonalQuotient and AdaptiveEuclidean."""
 
 import pytest
 import torch
@@ -59,7 +59,7 @@ def test_diagonal_projection_matches_dense_reference(metric):
 
 @pytest.mark.parametrize("metric", METRICS)
 def test_diagonal_horizontal_norms(metric):
-    """‖ξ‖²_inv = 2‖b‖², ‖ξ‖²_mix = 2‖β ⊙ b‖² for ξ = (b u, b v) (spec §5.2)."""
+    """‖ξ‖²_inv = 2‖b‖², ‖ξ‖²_mix = 2‖β ⊙ b‖² for ξ = (b u, b v)."""
     gen = torch.Generator().manual_seed(1)
     M = qm.DiagonalQuotient(metric=metric)
     x = diag_point(6, gen)

@@ -1,4 +1,4 @@
-"""Bad input raises a named exception that says what to do (issue 2, test 9)."""
+"""Bad input raises a named exception that says what to do."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Diagonal-network sharpness against the closed forms (spec §10) and the quick experiment.
+"""Diagonal-network sharpness against the closed forms and the quick experiment.
 
 No τ value is asserted anywhere: τ is the experiment's output, not a property of the code.
 """

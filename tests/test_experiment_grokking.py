@@ -1,4 +1,4 @@
-"""Grokking population (issue 5, item 4): quick run, results.json, resume, symmetry blocks."""
+"""Grokking population: quick run, results.json, resume, symmetry blocks."""
 
 import functools
 import json

@@ -1,4 +1,4 @@
-"""LoRA-MiniLM population (issue 5, item 6): data, model, geometry, quick run and resume."""
+"""LoRA-MiniLM population: data, model, geometry, quick run and resume."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""Tiny-ViT digits population (issue 5, item 5): quick run, results.json, resume, blocks."""
+"""Tiny-ViT digits population: quick run, results.json, resume, blocks."""
 
 import functools
 import json

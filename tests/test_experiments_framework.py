@@ -157,7 +157,7 @@ def test_invariance_quick(tmp_path):
     for name in ("geodesic_inv", "geodesic_mix", "adaptive"):
         assert len(inv["ratio"][name]) == len(inv["scales"])
         assert all(math.isfinite(r) and r > 0 for r in inv["ratio"][name])
-    for name in ("geodesic_inv", "geodesic_mix"):  # exact invariance (spec §11.3), float64
+    for name in ("geodesic_inv", "geodesic_mix"):  # exact invariance, float64
         assert all(abs(r - 1) < 1e-6 for r in inv["ratio"][name])
     assert (tmp_path / "invariance" / "ratio.png").stat().st_size > 1000
 

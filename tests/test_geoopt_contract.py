@@ -1,4 +1,4 @@
-"""geoopt's generic manifold invariants (geoopt-notes §6.1), plain and under Scaled."""
+"""geoopt's generic manifold invariants, plain and under Scaled."""
 
 import geoopt
 import pytest

@@ -1,4 +1,4 @@
-"""Property tests of GLQuotient in float64 (spec §5.3, §6.5, §11)."""
+"""Property tests of GLQuotient in float64."""
 
 import pytest
 import torch
@@ -74,7 +74,7 @@ def test_projection_matches_dense_reference(metric, eps, seed):
 
 
 def test_printed_sylvester_form_is_not_orthogonal():
-    """The paper's A Λ + Λ Aᵀ = B (spec §5.3.5) fails orthogonality; ours passes."""
+    """The paper's A Λ + Λ Aᵀ = B fails orthogonality; ours passes."""
     gen = torch.Generator().manual_seed(0)
     M = qm.GLQuotient(5, 4, metric="inv")
     x = gl_point(M, 3, gen, scale_g=3.0)
@@ -211,7 +211,7 @@ def test_h1_reproduces_diagonal_quotient(metric):
 
 @pytest.mark.parametrize("metric", METRICS)
 def test_relaxation_handles_rank_deficient_blocks(metric):
-    """PEFT initialises B = 0: eps > 0 makes the geometry defined (spec §4.3)."""
+    """PEFT initialises B = 0: eps > 0 makes the geometry defined (the ε relaxation)."""
     M = qm.GLQuotient(6, 5, metric=metric, eps=1e-3)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(11, 4, generator=gen)

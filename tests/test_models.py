@@ -1,4 +1,4 @@
-"""Models layer: block discovery on real model classes, the spec §4.4 sanity test of every
+"""Models layer: block discovery on real model classes, the sanity test of every
 mapping, declared blocks, fallbacks, ModelGeometry gather/scatter and reparametrize."""
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def test_peft_lora_default_init_is_rank_deficient():
     net = get_peft_model(nn.Sequential(nn.Linear(6, 8)), LoraConfig(r=2, target_modules=["0"]))
     with pytest.raises(qm.RankDeficientError, match=r"lora at .*head 0"):
         qm.ModelGeometry(net)
-    qm.ModelGeometry(net, qm.Geometry(eps=1e-3))  # the relaxation fixes it (spec §4.3)
+    qm.ModelGeometry(net, qm.Geometry(eps=1e-3))  # the ε relaxation fixes it
 
 
 def test_declared_two_layer_block_and_diagonal():

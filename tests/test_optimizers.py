@@ -63,7 +63,7 @@ def test_fit_low_rank_matrix_through_GHt(opt, metric):
 
 @pytest.mark.parametrize("retraction", ["first_order", "second_order", "exact"])
 def test_scaled_sgd_equals_sgd_with_rescaled_lr(retraction):
-    """RSGD on Scaled(M, s) with lr η is RSGD on M with lr η/s (geoopt-notes §3.4)."""
+    """RSGD on Scaled(M, s) with lr η is RSGD on M with lr η/s (geoopt's Scaled contract)."""
     M, x, target = _low_rank_problem("inv", retraction)
     _, xs, _ = _low_rank_problem("inv", retraction, scale=2.0)
     o1 = geoopt.optim.RiemannianSGD([x], lr=0.01)
@@ -132,7 +132,7 @@ def test_diagonal_net_sparse_regression_inv(opt, lr):
 @pytest.mark.parametrize("retraction", ["second_order", "exact"])
 @pytest.mark.parametrize("opt,lr", [("sgd", 0.3), ("adam", 0.3)])
 def test_diagonal_net_regression_mix(retraction, opt, lr):
-    """mix moves β = u ⊙ v linearly (spec §6.4.1): plain GD on β, fast on a dense target.
+    """mix moves β = u ⊙ v linearly: plain GD on β, fast on a dense target.
 
     On a sparse target it cannot cross β_i = 0 (the geodesic leaves the manifold
     there; see test_errors.py), so this problem has a positive β*.

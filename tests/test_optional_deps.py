@@ -8,6 +8,7 @@ Hugging Face folder, and `correlate` with its plots.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -94,6 +95,9 @@ def test_every_module_imports_without_optional_packages_and_errors_are_named(tmp
 
 
 def test_require_names_the_package_and_the_extra(monkeypatch):
+    importlib.import_module("sklearn.datasets")  # as after an earlier test in this worker
+    for mod in [m for m in sys.modules if m == "sklearn" or m.startswith("sklearn.")]:
+        monkeypatch.setitem(sys.modules, mod, None)
     monkeypatch.setitem(sys.modules, "sklearn", None)
     assert not available("sklearn.datasets") and available("torch")
     try:

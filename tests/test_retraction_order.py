@@ -1,4 +1,4 @@
-"""Retraction orders against geodesics integrated by SciPy's DOP853 (issue 2, test 5).
+"""Retraction orders against geodesics integrated by SciPy's DOP853.
 
 The reference geodesic uses Christoffel symbols obtained by differentiating the
 metric tensor with autograd (``manifolds.checks``), so it shares neither the

@@ -2,7 +2,7 @@
 
 The default suite runs the quick subset of ``python -m quotient_manifolds.symbolic``;
 the larger sizes are marked ``slow``.  Every check must also *fail* on a wrong
-formula: the paper's printed typos (spec §14) and hand-made mistakes are
+formula: the paper's printed typos (docs/corrections.md) and hand-made mistakes are
 injected through the checks' candidate arguments.
 """
 
@@ -232,14 +232,14 @@ def test_wrong_adaptive_geodesic_fails():
 
 
 def test_retraction_coefficient_minus_two_fails():
-    # Alg. 1 line 3 printed with −2Γ in some renderings (spec §14 item 4)
+    # Alg. 1 line 3 printed with −2Γ in some renderings
     _assert_fail(check_retraction_diagonal(2, "inv", coefficient=-2))
     _assert_fail(check_retraction_diagonal(2, "mix", coefficient=-2))
     _assert_fail(check_retraction_diagonal(2, "mix", coefficient=sp.Rational(1, 2)))
 
 
 def test_paper_sylvester_fails_for_h2_only():
-    # AΛ + ΛAᵀ = B (paper) vs AΩ + ΩA = B, Λ = Ωᵀ (spec §14 item 3)
+    # AΛ + ΛAᵀ = B (paper) vs AΩ + ΩA = B, Λ = Ωᵀ (docs/corrections.md)
     _assert_fail(check_projection_gl(2, 2, 2, "inv", lam=paper_sylvester_lambda))
     # for h = 1 both equations coincide
     _assert_pass(check_projection_gl(2, 2, 1, "inv", lam=paper_sylvester_lambda))
