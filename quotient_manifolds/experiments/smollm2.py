@@ -132,8 +132,8 @@ SETTINGS: _Settings = {
     "reparam_a": 10.0, "reparam_seed": 0, "invariance_dtype": "float64",
     "invariance_n_iter": 5, "timing_repeats": 3, "seed": 0,
 }
-QUICK: _QuickSettings = {"n_batches": 1, "batch_size": 2, "seq_len": 8, "n_iter": 2, "invariance_n_iter": 2,
-         "timing_repeats": 1}
+QUICK: _QuickSettings = {"n_batches": 1, "batch_size": 2, "seq_len": 8, "n_iter": 2,
+                         "invariance_n_iter": 2, "timing_repeats": 1}
 
 
 def model_dir() -> Path:
