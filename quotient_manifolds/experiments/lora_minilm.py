@@ -411,9 +411,9 @@ def _cached_inputs(store: PopulationStore, bert, tok, n_tweets: int, n_pool: int
 def _describe_geometry(model: nn.Module) -> dict:
     from ..models import discover
 
-    blocks, fallbacks = discover(model, warn=False)
-    return {"blocks": [b.describe() for b in blocks],
-            "fallbacks": [f.to_dict() for f in fallbacks],
+    sym = discover(model, warn=False)
+    return {"blocks": [b.describe() for b in sym.blocks],
+            "fallbacks": [f.to_dict() for f in sym.fallbacks],
             "parameters": {n: list(p.shape) for n, p in model.named_parameters()
                            if p.requires_grad},
             "n_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}

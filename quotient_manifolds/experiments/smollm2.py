@@ -39,7 +39,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import torch
 from torch import nn
@@ -100,15 +100,40 @@ SENTENCES = [
     "A letter arrived with a stamp from a faraway country.",
 ]
 
-SETTINGS = {
+class _Settings(TypedDict):
+    n_batches: int
+    batch_size: int
+    seq_len: int
+    rho: float
+    n_iter: int
+    dtype: str
+    measures: list[str]
+    reparam_a: float
+    reparam_seed: int
+    invariance_dtype: str
+    invariance_n_iter: int
+    timing_repeats: int
+    seed: int
+
+
+class _QuickSettings(TypedDict, total=False):
+    n_batches: int
+    batch_size: int
+    seq_len: int
+    n_iter: int
+    invariance_n_iter: int
+    timing_repeats: int
+
+
+SETTINGS: _Settings = {
     "n_batches": 2, "batch_size": 4, "seq_len": 32, "rho": 0.05, "n_iter": 10,
     "dtype": "float32",
     "measures": ["geodesic-inv-full", "geodesic-mix-full", "geodesic-inv", "geodesic-mix"],
     "reparam_a": 10.0, "reparam_seed": 0, "invariance_dtype": "float64",
     "invariance_n_iter": 5, "timing_repeats": 3, "seed": 0,
 }
-QUICK = {"n_batches": 1, "batch_size": 2, "seq_len": 8, "n_iter": 2, "invariance_n_iter": 2,
-         "timing_repeats": 1}
+QUICK: _QuickSettings = {"n_batches": 1, "batch_size": 2, "seq_len": 8, "n_iter": 2,
+                         "invariance_n_iter": 2, "timing_repeats": 1}
 
 
 def model_dir() -> Path:
@@ -142,7 +167,8 @@ def load_model(dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Any]:
         model = AutoModelForCausalLM.from_pretrained(path, gguf_file=GGUF_FILE,
                                                      dtype=torch.float32,
                                                      attn_implementation="eager")
-    return model.to(dtype).eval(), tok
+    # transformers types the decorated PreTrainedModel.to as taking a model
+    return cast(nn.Module, model).to(dtype).eval(), tok
 
 
 def make_batches(tokenizer: Any, n_batches: int, batch_size: int, seq_len: int) -> list[dict]:
@@ -216,7 +242,7 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
     import quotient_manifolds as qm
 
     t0 = time.perf_counter()
-    s = {**SETTINGS, **(QUICK if quick else {})}
+    s: _Settings = {**SETTINGS, **QUICK} if quick else {**SETTINGS}
     measures = _measures(s["measures"])
     store = PopulationStore(out, NAME)
     prot = protocol_hash(s)

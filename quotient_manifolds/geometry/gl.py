@@ -437,7 +437,7 @@ class _SecondOrder(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, uG, uH, G, H, gr, metric):  # type: ignore[override]
+    def forward(ctx, uG, uH, G, H, gr, metric):
         S = torch.stack([transpose(uG) @ G, transpose(uH) @ H])  # (2, …, h, h): uᵀF
         T = torch.stack([transpose(uG) @ uG, transpose(uH) @ uH])
         A, B = _quadratic_coefficients(S, T, gr, metric)
@@ -451,7 +451,7 @@ class _SecondOrder(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dyG, dyH):  # type: ignore[override]
+    def backward(ctx, dyG, dyH):
         S, T, C2, G, H, uG, uH = ctx.saved_tensors
         pairs = ((G, uG, dyG), (H, uH, dyH))
         dC1 = torch.stack([transpose(F) @ dy for F, _, dy in pairs])

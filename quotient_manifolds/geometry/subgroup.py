@@ -114,7 +114,8 @@ def _layout_from_parts(h: int, parts: list[list[tuple[int, int, float]]], free: 
 @lru_cache(maxsize=256)
 def _layout_on(sub: Subalgebra, device: torch.device) -> _Layout:
     lay = sub._layout()
-    return _Layout(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in lay))
+    return _Layout(lay.rows.to(device), lay.cols.to(device), lay.vals.to(device),
+                   lay.free.to(device), lay.free_slice)
 
 
 def _coords(lay: _Layout, M: torch.Tensor) -> torch.Tensor:
@@ -753,23 +754,28 @@ def horizontal_x(
     lay = _layout_on(sub, R.device)
     W1, W2, inv_denom, K, S_vecs, S_inv = system
     X = torch.zeros_like(R)
-    if lay.f:
+    if lay.f:  # subgroup_system sets W1, W2 when there is a free block
+        assert W1 is not None and W2 is not None
         r_f = _free_block(lay, R, h)
         if inv_denom is None:  # separable: Y = W₁ R W₂ (symmetric W), K in the original basis
             Rk, Z = r_f, -(W1 @ r_f @ W2)
         else:  # in the eigenbasis: R̃ = W₁ᵀ R W₂, Z̃ = −R̃ ⊙ inv_denom, Y = W₁ Z̃ W₂ᵀ
             Rk = transpose(W1) @ r_f @ W2
             Z = -(Rk * inv_denom)
-    if lay.d:
+    if lay.d:  # subgroup_system sets S_vecs, S_inv (and K, with a free block) here
+        assert S_vecs is not None and S_inv is not None
         rhs = -_coords(lay, R)
         if lay.f:  # + ⟨K_a, r_f⟩_F (= ⟨K̃_a, R̃⟩_F in the eigenbasis)
+            assert K is not None
             # as a row vector times Kᵀ: batched gemv with a column vector is far slower on CPU
             rhs = rhs + (Rk.reshape(*Rk.shape[:-2], 1, -1) @ transpose(K.flatten(-2))).squeeze(-2)
         c = S_vecs @ (S_inv.unsqueeze(-1) * (transpose(S_vecs) @ rhs.unsqueeze(-1)))
         X = _embed(lay, c.squeeze(-1), h)
         if lay.f:  # − Σ_a c_a K_a
+            assert K is not None
             Z = Z - (transpose(c) @ K.flatten(-2)).reshape(Z.shape)
     if lay.f:
+        assert W1 is not None and W2 is not None
         Y = Z if inv_denom is None else W1 @ Z @ transpose(W2)
         X = _add_free_block(lay, X, Y, h)
     return X

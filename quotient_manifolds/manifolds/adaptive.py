@@ -140,7 +140,7 @@ class AdaptiveEuclidean(QuotientManifold):
     def extra_repr(self) -> str:
         return f"eps={self.eps:g}, ndim={self.ndim}, {super().extra_repr()}"
 
-    def _check_shape(self, shape: tuple[int], name: str) -> tuple[bool, str | None]:
+    def _check_shape(self, shape: tuple[int, ...], name: str) -> tuple[bool, str | None]:
         if len(shape) < self.ndim:
             return False, f"`{name}` needs at least ndim={self.ndim} dims, got {tuple(shape)}"
         return True, None

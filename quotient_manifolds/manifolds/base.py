@@ -144,7 +144,8 @@ class TangentSpace:
             return self.x0 + u - 0.5 * self.christoffel(u)
         if kind == "exact":
             return self.geodesic(u)
-        return check_retraction(kind)  # raises
+        check_retraction(kind)  # raises ValueError: kind is none of RETRACTIONS
+        raise AssertionError(f"retraction {kind!r} is in RETRACTIONS but not handled")
 
     def clip_to_domain(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
         """`u` moved into the domain of the retraction `kind` (`None`: the manifold's); the

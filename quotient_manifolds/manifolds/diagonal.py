@@ -169,7 +169,7 @@ class DiagonalQuotient(QuotientManifold):
         return self.pack_point(a, b).to(dtype)
 
     # -- checks ---------------------------------------------------------------
-    def _check_shape(self, shape: tuple[int], name: str) -> tuple[bool, str | None]:
+    def _check_shape(self, shape: tuple[int, ...], name: str) -> tuple[bool, str | None]:
         if len(shape) < 2 or shape[-2] != 2:
             return False, f"`{name}` must have shape (..., 2, d) (rows u, v), got {tuple(shape)}"
         return True, None

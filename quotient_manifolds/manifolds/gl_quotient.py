@@ -327,7 +327,7 @@ class GLQuotient(QuotientManifold):
         return torch.cat([G, H], dim=-2).to(dtype)
 
     # -- checks ---------------------------------------------------------------
-    def _check_shape(self, shape: tuple[int], name: str) -> tuple[bool, str | None]:
+    def _check_shape(self, shape: tuple[int, ...], name: str) -> tuple[bool, str | None]:
         if len(shape) < 2:
             return False, f"`{name}` needs at least 2 dims (..., n + m, h), got {tuple(shape)}"
         if shape[-2] != self.n + self.m:

@@ -25,11 +25,13 @@ or replaces a bias row by zero, while a group element multiplies the factors fro
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import operator
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -155,6 +157,12 @@ class Consumer:
 
 
 # -- folds ------------------------------------------------------------------------------------
+def _required(cls: str, name: str) -> FactorPart:
+    """Default factory of a field that needs a value (it follows `Fold.module`, so it has a
+    default in the dataclass)."""
+    raise TypeError(f"{cls}() missing required argument: {name!r}")
+
+
 @dataclass(frozen=True)
 class Fold:
     """One canonicalisation step of a symmetry that is not a GL(h) block.
@@ -249,10 +257,11 @@ class NormGainFold(Fold):
             for c in self.consumers:
                 M, b = c.read(out)
                 if self.shift == "fold" and b is not None:
+                    assert beta is not None, "shift='fold' needs the norm's bias"
                     b = b + M @ beta.to(M.dtype)
                 c.write(out, M * g.to(M.dtype), b)
             out[self.weight] = torch.full_like(w, 1.0 - self.offset)
-            if beta is not None:
+            if self.bias is not None and beta is not None:  # beta is read from the bias
                 out[self.bias] = torch.zeros_like(beta) if self.shift == "fold" else beta / g
             return out, self.frozen(params)
 
@@ -301,7 +310,7 @@ class KeyBiasFold(Fold):
         The block's head count and head dimension (the part covers `heads·h` entries).
     """
 
-    part: FactorPart = None
+    part: FactorPart = field(default_factory=lambda: _required("KeyBiasFold", "part"))
     heads: int = 1
     h: int = 1
 
@@ -366,7 +375,7 @@ class ValueBiasFold(Fold):
         The block's head count and head dimension.
     """
 
-    part: FactorPart = None
+    part: FactorPart = field(default_factory=lambda: _required("ValueBiasFold", "part"))
     out: tuple[FactorPart, ...] = ()
     out_bias: str = ""
     heads: int = 1
@@ -556,6 +565,13 @@ def _is_norm(m: nn.Module) -> bool:
             and w.dim() == 1)
 
 
+def _norm_weight(m: nn.Module) -> torch.Tensor:
+    """The gain of a module that `_is_norm` accepts (it has one)."""
+    w = m.weight
+    assert isinstance(w, torch.Tensor)
+    return w
+
+
 def _is_conv1d(m: nn.Module) -> bool:
     w = getattr(m, "weight", None)
     return (type(m).__name__ == "Conv1D" and isinstance(w, nn.Parameter) and w.dim() == 2
@@ -622,6 +638,14 @@ class _Prober:
     def pname(self, p) -> str | None:
         return None if p is None else self.names.get(id(p))
 
+    def name(self, p: torch.Tensor) -> str:
+        """The name of `p`, a parameter of the model (KeyError if it is none, e.g. the tensor
+        that a parametrisation computes)."""
+        n = self.names.get(id(p))
+        if n is None:
+            raise KeyError(f"a tensor of shape {tuple(p.shape)} is not a parameter of the model")
+        return n
+
     def tied(self, name: str) -> bool:
         """Whether the parameter is used by more than one module (tied weights)."""
         p = dict(self.model.named_parameters())[name]
@@ -668,7 +692,7 @@ class _Prober:
             worst = max(worst, diff / max(scale, 1e-300))
         return worst
 
-    def probe(self, fold: Fold, repeats: int = 1) -> float:
+    def probe(self, fold: Fold | _JointAct, repeats: int = 1) -> float:
         """Relative output change under random elements of the fold's group (0 if exact)."""
         worst = 0.0
         for _ in range(repeats):
@@ -682,7 +706,7 @@ class _Prober:
             if m is not None and _is_norm(m) and isinstance(out, torch.Tensor):
                 yield name, m, args, kwargs, out
 
-    def consumers(self, ptr: int, d: int) -> tuple[list[Consumer], list[str]] | None:
+    def consumers(self, ptr: int | None, d: int) -> tuple[list[Consumer], list[str]] | None:
         """The linear maps whose input shares storage `ptr`, and the names of their modules.
 
         None when a module with its own parameters that is not a known linear map reads it.
@@ -702,12 +726,12 @@ class _Prober:
                         continue
                     b = self.pname(m.in_proj_bias)
                     if m._qkv_same_embed_dim:
-                        c = Consumer(self.pname(m.in_proj_weight), 1, i * d_e, (i + 1) * d_e, b)
+                        c = Consumer(self.name(m.in_proj_weight), 1, i * d_e, (i + 1) * d_e, b)
                     else:
                         w = (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)[i]
                         if b is not None:
                             return None  # separate weights with a fused bias: not supported
-                        c = Consumer(self.pname(w), 1, 0, -1, None)
+                        c = Consumer(self.name(w), 1, 0, -1, None)
                     found[(c.weight, c.start)] = c
                     mods.append(name)
                 continue
@@ -720,16 +744,16 @@ class _Prober:
                     and isinstance(vb, nn.Parameter) and qkv.out_features == 3 * qb.numel()):
                 # timm BEiT/EVA: F.linear(x, qkv.weight, cat(q_bias, k_bias, v_bias)) with a
                 # zero key-bias buffer, so the qkv module itself is never called
-                a, w = qb.numel(), self.pname(qkv.weight)
-                for c in (Consumer(w, 1, 0, a, self.pname(qb), 0), Consumer(w, 1, a, 2 * a),
-                          Consumer(w, 1, 2 * a, 3 * a, self.pname(vb), 0)):
+                a, wn = qb.numel(), self.name(qkv.weight)
+                for c in (Consumer(wn, 1, 0, a, self.pname(qb), 0), Consumer(wn, 1, a, 2 * a),
+                          Consumer(wn, 1, 2 * a, 3 * a, self.pname(vb), 0)):
                     found[(c.weight, c.start)] = c
                 mods.append(name)
                 continue
             if isinstance(m, nn.Linear) and m.in_features == d:
-                c = Consumer(self.pname(m.weight), 1, 0, -1, self.pname(m.bias))
+                c = Consumer(self.name(m.weight), 1, 0, -1, self.pname(m.bias))
             elif _is_conv1d(m) and m.weight.shape[0] == d:
-                c = Consumer(self.pname(m.weight), 0, 0, -1, self.pname(m.bias))
+                c = Consumer(self.name(m.weight), 0, 0, -1, self.pname(m.bias))
             else:
                 return None
             found[(c.weight, c.start)] = c
@@ -775,8 +799,8 @@ class _Prober:
                 if not outs:
                     return True
                 gen = self.gen
-                total = sum((t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum()
-                            for t in outs)
+                total = functools.reduce(operator.add, (
+                    (t * torch.randn(t.shape, generator=gen, dtype=t.dtype)).sum() for t in outs))
                 (g,) = torch.autograd.grad(total, [y], allow_unused=True)
         finally:
             for hk in hooks:
@@ -785,7 +809,7 @@ class _Prober:
 
     def offset(self, name: str, m: nn.Module, args, kwargs) -> float | None:
         """`o` in `γ = o + w`, from two calls of the norm alone (None if `w` is unused)."""
-        w = self.pname(m.weight)
+        w = self.name(_norm_weight(m))
         b = self.pname(getattr(m, "bias", None)) if isinstance(
             getattr(m, "bias", None), nn.Parameter) else None
         prefix = name + "." if name else ""
@@ -841,23 +865,25 @@ def _qk_candidates(p: _Prober, name: str, attn: nn.Module) -> list[QKNormScaleFo
     cfg = getattr(attn, "config", None)
     heads = (getattr(attn, "num_heads", None) or getattr(attn, "num_attention_heads", None)
              or getattr(cfg, "num_attention_heads", None))
-    kv = (getattr(attn, "num_key_value_heads", None) or getattr(attn, "num_kv_heads", None)
-          or getattr(cfg, "num_key_value_heads", None) or heads)
     h = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None)
-    lq, lk = qn.weight.numel(), kn.weight.numel()
+    q_weight, k_weight = _norm_weight(qn), _norm_weight(kn)
+    lq, lk = q_weight.numel(), k_weight.numel()
     if not h:
         h = lq if lq == lk else (lq // heads if heads else None)
-    if not (heads and h):
+    if not heads or not h:
         return []
+    kv = (getattr(attn, "num_key_value_heads", None) or getattr(attn, "num_kv_heads", None)
+          or getattr(cfg, "num_key_value_heads", None) or heads)
     r = max(1, heads // max(1, kv))
-    offsets = {}
+    offsets: dict[str, float] = {}
     for nm, m in (("q", qn), ("k", kn)):
         call = next(((a, k) for n2, a, k, _ in p.calls if p.modules.get(n2) is m), None)
         if call is None:
             return []
-        offsets[nm] = p.offset(f"{name}.{nm}_norm", m, *call)
-        if offsets[nm] is None:
+        off = p.offset(f"{name}.{nm}_norm", m, *call)
+        if off is None:
             return []
+        offsets[nm] = off
     out = []
     for layout, cls in _class_layouts(int(h), _rotary_dims(attn, int(h))):
         C = max(cls) + 1
@@ -872,7 +898,7 @@ def _qk_candidates(p: _Prober, name: str, attn: nn.Module) -> list[QKNormScaleFo
                                                                nn.Parameter) else None
         bk = p.pname(getattr(kn, "bias", None)) if isinstance(getattr(kn, "bias", None),
                                                                nn.Parameter) else None
-        out.append(QKNormScaleFold(name, p.pname(qn.weight), p.pname(kn.weight), bq, bk,
+        out.append(QKNormScaleFold(name, p.name(q_weight), p.name(k_weight), bq, bk,
                                    offsets["q"], offsets["k"], tuple(qc), tuple(kc), layout))
     return out
 
@@ -931,7 +957,7 @@ def _norm_folds(p: _Prober, fallbacks: list, excluded: set) -> list[Fold]:
         if found is None or not found[0]:
             continue  # read by an unknown module, or by no linear map: not a pre-norm
         cons, mods = found
-        w = p.pname(m.weight)
+        w = p.name(_norm_weight(m))
         bias = getattr(m, "bias", None)
         b = p.pname(bias) if isinstance(bias, nn.Parameter) else None
         offset = p.offset(name, m, args, kwargs)
@@ -1009,7 +1035,7 @@ def _bias_folds(p: _Prober, blocks: Sequence[BlockSpec]) -> list[Fold]:
 
 
 def _qk_norm_folds(p: _Prober, fallbacks: list) -> tuple[list[Fold], set]:
-    structures: list[tuple[str, list[Fold]]] = []
+    structures: list[tuple[str, Sequence[Fold]]] = []
     extra: list[Fold] = []
     names: set = set()
     for name, m in p.modules.items():

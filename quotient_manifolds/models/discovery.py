@@ -53,7 +53,7 @@ import sys
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -183,7 +183,7 @@ def rope_pairs(h: int, rotary_dim: int | None = None, *, interleaved: bool = Fal
 # -- module inspection ------------------------------------------------------------------------
 
 
-def _linear(m) -> tuple[nn.Parameter, nn.Parameter | None, bool, int, int] | None:
+def _linear(m) -> tuple[torch.Tensor, torch.Tensor | None, bool, int, int] | None:
     """`(weight, bias, transposed, in, out)` of an `nn.Linear` or a transposed `Conv1D`."""
     if isinstance(m, nn.Linear):
         return m.weight, m.bias, False, m.in_features, m.out_features
@@ -207,7 +207,7 @@ _WRAPPED = ("projections wrapped by LoRA adapters: the head symmetry would move 
             "the trained parameters); the adapters' own GL(r) blocks are claimed instead")
 
 
-def _active(m) -> bool:
+def _active(m: object) -> TypeGuard[nn.Module]:
     return isinstance(m, nn.Module) and not isinstance(m, (nn.Identity, nn.Dropout))
 
 
@@ -238,6 +238,14 @@ def _source(obj) -> str:
         return ""
 
 
+def _param_name(name: str | None) -> str:
+    """`name`; `None` (a tensor that is not a parameter of the model) raises the error that
+    [`FactorPart`][quotient_manifolds.models.blocks.FactorPart] raises for it."""
+    if name is None:
+        raise BlockSpecError(f"param must be a parameter name, got {name!r}")
+    return name
+
+
 def _describe_norm(m: nn.Module) -> str:
     w = getattr(m, "weight", None)
     size = f" over {w.numel()} features" if isinstance(w, torch.Tensor) else ""
@@ -246,9 +254,10 @@ def _describe_norm(m: nn.Module) -> str:
 
 @dataclass
 class _Proj:
-    """Where one projection's per-head features live."""
+    """Where one projection's per-head features live (`weight` is `None` when it is not a
+    parameter of the model: `build` then falls back)."""
 
-    weight: str
+    weight: str | None
     transposed: bool = False  # Conv1D: (in, out) storage
     offset: int = 0
     stride: int = 0
@@ -257,8 +266,8 @@ class _Proj:
 
     def part(self, stack: int = 1) -> FactorPart:
         """The rows of a projection that *produces* head features."""
-        return FactorPart(self.weight, "cols" if self.transposed else "rows", self.offset,
-                          self.stride, stack)
+        return FactorPart(_param_name(self.weight), "cols" if self.transposed else "rows",
+                          self.offset, self.stride, stack)
 
     def bias_part(self, stack: int = 1) -> FactorPart | None:
         if self.bias is None:
@@ -268,8 +277,8 @@ class _Proj:
 
     def out_part(self, stack: int = 1) -> FactorPart:
         """The rows of a projection that *consumes* head features (the output projection)."""
-        return FactorPart(self.weight, "rows" if self.transposed else "cols", self.offset,
-                          self.stride, stack)
+        return FactorPart(_param_name(self.weight), "rows" if self.transposed else "cols",
+                          self.offset, self.stride, stack)
 
 
 @dataclass
@@ -366,13 +375,16 @@ class _Finder:
             return False
         self.account(name, m)
         for key in A.keys():
-            if key not in B or not (isinstance(A[key], nn.Linear) and isinstance(B[key],
-                                                                                   nn.Linear)):
+            if key not in B:
                 continue
-            r = A[key].out_features
+            a, b = A[key], B[key]
+            if not (isinstance(a, nn.Linear) and isinstance(b, nn.Linear)):
+                continue
+            r = a.out_features
             self.blocks.append(BlockSpec(
-                "lora", name, 1, r, (FactorPart(self.pname(B[key].weight), "cols"),),
-                (FactorPart(self.pname(A[key].weight), "rows"),), note=f"adapter {key!r}"))
+                "lora", name, 1, r, (FactorPart(_param_name(self.pname(b.weight)), "cols"),),
+                (FactorPart(_param_name(self.pname(a.weight)), "rows"),),
+                note=f"adapter {key!r}"))
         base = getattr(m, "base_layer", None)
         if isinstance(base, nn.Linear):
             self.input_dims[name] = base.in_features
@@ -568,6 +580,7 @@ class _Finder:
             qn, kn = getattr(m, qa, None), getattr(m, ka, None)
             if _active(qn) or _active(kn):
                 norm = qn if _active(qn) else kn
+                assert isinstance(norm, nn.Module)  # one of the two is active
                 att.qk_reason = (
                     f"q/k normalisation ({type(m).__name__}.{qa if _active(qn) else ka}: "
                     f"{_describe_norm(norm)}) is not GL(h)-equivariant: the exact Q/K "
@@ -662,7 +675,7 @@ class _Finder:
                           f"{att.heads} query heads; symmetry='full' claims them)")
         else:
             group = RotaryCommutant(att.h, tuple(att.pairs)) if att.pairs else None
-            G = (att.q.part(r), att.q.bias_part(r))
+            G: tuple[FactorPart | None, ...] = (att.q.part(r), att.q.bias_part(r))
             H = (att.k.part(), att.k.bias_part(),
                  FactorPart(att.k_extra, "bias") if att.k_extra else None)
             self.blocks.append(BlockSpec(
@@ -746,7 +759,7 @@ def strip_frozen(
     out: list[BlockSpec] = []
     fbs: list[Fallback] = []
     for b in blocks:
-        keep = {"G": [], "H": []}
+        keep: dict[str, list[FactorPart]] = {"G": [], "H": []}
         bad = None
         for side in ("G", "H"):
             for part in getattr(b, side):

@@ -37,6 +37,7 @@ import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import cast
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ from ..errors import (
     ZeroWeightError,
 )
 from ..manifolds import AdaptiveEuclidean, GLQuotient
+from ..manifolds.gl_quotient import GLTangentSpace
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
 from .config import Geometry
@@ -88,7 +90,9 @@ def select_parameters(model: nn.Module, params: ParamSelection = None) -> tuple[
             f"params=[{params!r}]" if isinstance(params, str) else
             "params= takes several parameters: wrap a single tensor in a list")
     else:
-        items = list(params.items()) if isinstance(params, Mapping) else list(params)
+        # (mypy's callable() narrowing leaves nn.Module in the union; it is passed as is)
+        items = list(params.items()) if isinstance(params, Mapping) else list(
+            cast("Iterable[str | torch.Tensor]", params))
         by_id = {id(p): n for n, p in named.items()}
         chosen = set()
         for it in items:
@@ -131,7 +135,7 @@ class BlockGroup:
     h: int
     blocks: list[BlockSpec]
     manifold: GLQuotient
-    space: object  # GLTangentSpace
+    space: GLTangentSpace
 
     @property
     def x0(self) -> torch.Tensor:
@@ -274,6 +278,7 @@ class ModelGeometry:
             by_shape.setdefault((b.n, b.m, b.h, getattr(b, "group", None)), []).append(b)
         groups = []
         for (n, m, h, sub), blocks in by_shape.items():
+            assert g.metric is not None  # metric=None discovers no blocks
             x0 = torch.cat([gather_block(b, self.base).to(self.dtype) for b in blocks])
             man = GLQuotient(n, m, g.metric, g.eps, g.retraction, validate=False,
                              steps=g.exact_steps, subalgebra=sub)
@@ -285,6 +290,7 @@ class ModelGeometry:
         return groups
 
     def _name_rank_deficient(self, blocks: list[BlockSpec], msg: str) -> str:
+        assert self.geometry.metric is not None  # called for blocks, which need a metric
         bad = []
         for b in blocks:
             x = gather_block(b, self.base).to(self.dtype)

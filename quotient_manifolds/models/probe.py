@@ -31,9 +31,9 @@ import contextlib
 import copy
 import inspect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -296,8 +296,9 @@ def example_inputs(model: nn.Module, generator: torch.Generator | None = None
     """
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
     device, dtype = _device(model), _float_dtype(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") and hasattr(
-        model, "peft_config") else model
+    # a PEFT wrapper (nn.Module types its unknown attributes as Tensor | Module)
+    base = cast("Callable[[], nn.Module]", model.get_base_model)() if hasattr(
+        model, "get_base_model") and hasattr(model, "peft_config") else model
     if hasattr(base, "config") and hasattr(base.config, "model_type"):
         return _hf_inputs(base, gen, device, dtype)
     out = _torch_inputs(base, gen, device, dtype)
@@ -771,8 +772,8 @@ def probe_blocks(
     out: list[ProbeRecord | None] = []
     for b, prefix in zip(blocks, prefixes):
         module = lookup[prefix]
-        call = calls.get(prefix)
-        call = (call[0], call[1]) if call is not None else None
+        captured = calls.get(prefix)
+        call = (captured[0], captured[1]) if captured is not None else None
         if call is None:
             call = _synthesise(module, dims.get(b.module) or dims.get(prefix), gen)
         if call is None:

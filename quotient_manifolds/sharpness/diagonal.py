@@ -78,6 +78,7 @@ import torch
 
 from ..errors import InvalidRadiusError, ShapeError
 from ..manifolds import AdaptiveEuclidean, DiagonalQuotient
+from ..manifolds.adaptive import AdaptiveTangentSpace
 from ..manifolds.base import RETRACTIONS
 from ..manifolds.diagonal import DiagonalTangentSpace
 from ..manifolds.product import ProductTangentSpace
@@ -229,6 +230,7 @@ def diagonal_sharpness(
         if len(gens) != B:
             raise ShapeError(f"got {len(gens)} seeds for {B} rows")
 
+    ts: AdaptiveTangentSpace | DiagonalTangentSpace
     if measure == "adaptive":
         w = torch.cat([u, v], dim=-1)
         ok = w != 0
@@ -241,13 +243,15 @@ def diagonal_sharpness(
             p = w + xi
             return p[:, :d] * p[:, d:]
     else:
-        M, ts, feasible, ok = _geodesic_set(u, v, rho, metric, retraction, ball, domain_margin)
+        M, dts, feasible, ok = _geodesic_set(u, v, rho, metric, retraction, ball,
+                                             domain_margin)
+        ts = dts
         space = feasible.space
         beta0 = u * v
 
         def beta_of(xi):  # masked coordinates (u_i v_i = 0) stay at β_i
             if unconstrained:  # β(1 + 2b) continued past 1 + 2b > 0
-                return torch.where(ok, beta0 * (1 + 2 * ts.horizontal_coefficient(
+                return torch.where(ok, beta0 * (1 + 2 * dts.horizontal_coefficient(
                     space.split(xi)[0])), beta0)
             (pt,) = space.retract(xi)
             return torch.where(ok, M.invariant(pt), beta0)
@@ -401,12 +405,15 @@ def _average(increase, feasible: FeasibleSet, ts, gens, n_samples: int, domain: 
                 out[i] = torch.randn(shape[1:], generator=g, dtype=ts.x0.dtype)
         return out
 
+    mask = feasible.mask
+    assert mask is not None  # both feasible sets of this module are built with a mask
+
     def to_tangent(z: torch.Tensor) -> torch.Tensor:
         if isinstance(feasible, AdaptiveNormBall):
             xi = ts.sample_weighted(feasible.space.split(feasible.w2)[0], noise=z)
         else:
             xi = ts.sample(noise=z)
-        return feasible.space.join([xi]) * feasible.rho * feasible.mask
+        return feasible.space.join([xi]) * feasible.rho * mask
 
     total = torch.zeros(feasible.problems, dtype=ts.x0.dtype)
     with torch.no_grad():

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -79,7 +80,8 @@ def _slice(x, rank: int, world: int):
     if isinstance(x, Mapping):
         d = {k: _slice(v, rank, world) for k, v in x.items()}
         try:
-            return type(x)(d)
+            # a concrete mapping class (dict, BatchEncoding, ...) rebuilt from a dict
+            return cast("Callable[[dict], object]", type(x))(d)
         except TypeError:
             return d
     if isinstance(x, tuple):
@@ -131,9 +133,9 @@ class _GradSumOverRanks(torch.autograd.Function):
         return tuple(x.view_as(x) for x in xs)
 
     @staticmethod
-    def backward(ctx, *gs: torch.Tensor | None):
+    def backward(ctx, *grads: torch.Tensor | None):
         gs = [torch.zeros(s, dtype=d, device=dev) if g is None else g
-              for g, (s, d, dev) in zip(gs, ctx.meta, strict=True)]
+              for g, (s, d, dev) in zip(grads, ctx.meta, strict=True)]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, g in enumerate(gs):
             by_dtype.setdefault(g.dtype, []).append(i)

@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..models import Geometry, ModelGeometry
 from ..models.model_geometry import ParamSelection
-from .distributed import Shard, resolve_shard
+from .distributed import Evaluator, Shard, resolve_shard
 from .feasible import make_feasible
 from .result import SharpnessResult
 from .solvers import APGD, Average, GeooptSolver
@@ -141,7 +141,7 @@ def _len(data) -> int | None:
 class _BatchProblem:
     """The loss of one batch as a function of the packed perturbation ξ."""
 
-    def __init__(self, geo: ModelGeometry, ev: _Evaluator, batch, b: int) -> None:
+    def __init__(self, geo: ModelGeometry, ev: Evaluator, batch, b: int) -> None:
         self.geo, self.ev, self.batch, self.b = geo, ev, batch, b
         self.k = 0
         self._grad: torch.Tensor | None = None

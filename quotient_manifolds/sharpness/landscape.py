@@ -114,9 +114,9 @@ def plot_slices(
 
     panels = (1 if one else 0) + (2 if two else 0)
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.5), squeeze=False)
-    axes = list(axes[0])
+    panel_axes = list(axes[0])
     if one:
-        ax = axes.pop(0)
+        ax = panel_axes.pop(0)
         ax.plot(one["t"], one["geodesic"], label="geodesic  L(exp(tξ))")
         ax.plot(one["t"], one["straight"], "--", label="straight  L(w + tξ)")
         ax.set_xlabel("t")
@@ -129,13 +129,13 @@ def plot_slices(
         vals = [np.asarray(two[k], dtype=float) for k in ("geodesic", "straight")]
         finite = np.concatenate([v[np.isfinite(v)] for v in vals])
         levels = np.geomspace(max(finite.min(), 1e-12), finite.max(), 15)
-        for ax, v, name in zip(axes, vals, ("geodesic", "straight line")):
+        for ax, v, name in zip(panel_axes, vals, ("geodesic", "straight line")):
             v = np.where(np.isfinite(v), np.maximum(v, levels[0]), np.nan)
             cs = ax.contourf(s, s, v, levels=levels, norm=matplotlib.colors.LogNorm())
             ax.set_title(f"2-D slice, {name}")
             ax.set_xlabel("s (ξ₁)")
             ax.set_ylabel("t (ξ₂)")
-        fig.colorbar(cs, ax=axes[-1])
+        fig.colorbar(cs, ax=panel_axes[-1])
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()

@@ -119,7 +119,7 @@ def _suite() -> list[Entry]:
             out.append(
                 E(
                     f"christoffel GL {metric} quadratic n={n},m={m},h={h}",
-                    lambda a=(n, m, h, metric): check_christoffel_gl_quadratic(*a),
+                    partial(check_christoffel_gl_quadratic, n, m, h, metric),
                     quick,
                 )
             )
@@ -127,21 +127,21 @@ def _suite() -> list[Entry]:
         out.append(
             E(
                 f"christoffel GL {metric} quadratic n=2,m=2,h=1,ε",
-                lambda m=metric: check_christoffel_gl_quadratic(2, 2, 1, m, eps=EPS),
+                partial(check_christoffel_gl_quadratic, 2, 2, 1, metric, eps=EPS),
                 True,
             )
         )
         out.append(
             E(
                 f"retraction GL {metric} second order (bridge) n=6,m=5,h=3",
-                lambda m=metric: retraction_bridge(6, 5, 3, m),
+                partial(retraction_bridge, 6, 5, 3, metric),
                 True,
             )
         )
         out.append(
             E(
                 f"retraction GL {metric} second order (bridge) n=6,m=5,h=3,eps=0.1",
-                lambda m=metric: retraction_bridge(6, 5, 3, m, eps=0.1),
+                partial(retraction_bridge, 6, 5, 3, metric, eps=0.1),
                 False,
             )
         )
@@ -341,12 +341,12 @@ def _subgroup_suite() -> list[Entry]:
     for sub, quick in ((RC.rotate_half(2), True), (full4, True), (inter4, False),
                        (half3, True), (half4, False)):
         out.append(E(f"rotary commutant {subalgebra_label(sub)}",
-                     lambda s=sub: check_rotary_commutant(s), quick))
+                     partial(check_rotary_commutant, sub), quick))
     for (n, m, sub), quick in (((2, 2, RC.rotate_half(2)), True), ((3, 3, half3), False),
                                ((2, 2, full4), False), ((2, 2, half4), False)):
         for metric in ("inv", "mix"):
             out.append(E(f"vertical+horizontal subgroup {metric} {subalgebra_label(sub)}",
-                         lambda a=(n, m, sub, metric): check_vertical_subgroup(*a), quick))
+                         partial(check_vertical_subgroup, n, m, sub, metric), quick))
     for (n, m, sub, solve), quick in (((2, 2, RC.rotate_half(2), documented_x), True),
                                       ((2, 2, half3, documented_x), False),
                                       ((2, 2, full4, None), True), ((2, 2, inter4, None), False),
@@ -355,12 +355,12 @@ def _subgroup_suite() -> list[Entry]:
             out.append(E(
                 f"projection subgroup {metric} {subalgebra_label(sub)}"
                 + (" +solver" if solve else ""),
-                lambda a=(n, m, sub, metric), sv=solve: check_projection_subgroup(*a, solve=sv),
+                partial(check_projection_subgroup, n, m, sub, metric, solve=solve),
                 quick and (metric == "inv" or solve is not None)))
     for metric in ("inv", "mix"):
         out.append(E(f"projection subgroup {metric} ε h=2,rotate_half",
-                     lambda m=metric: check_projection_subgroup(
-                         2, 2, RC.rotate_half(2), m, solve=documented_x, eps=EPS), False))
+                     partial(check_projection_subgroup, 2, 2, RC.rotate_half(2), metric,
+                             solve=documented_x, eps=EPS), False))
     for (n, m, sub, metric, eps), quick in (
         ((3, 2, RC.rotate_half(2), "inv", 0.0), True),
         ((5, 4, half4, "mix", 0.1), True),
@@ -370,7 +370,7 @@ def _subgroup_suite() -> list[Entry]:
     ):
         tag = f",eps={eps:g}" if eps else ""
         out.append(E(f"projection subgroup {metric} (bridge) {subalgebra_label(sub)}{tag}",
-                     lambda a=(n, m, sub, metric, eps): subgroup_projection_bridge(*a), quick))
+                     partial(subgroup_projection_bridge, n, m, sub, metric, eps), quick))
     return out
 
 

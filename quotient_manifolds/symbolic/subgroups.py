@@ -25,6 +25,7 @@ derived from the metric.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import sympy as sp
@@ -37,6 +38,10 @@ from .checks import CheckResult, Outcome, _combine, run_check
 from .models import GLBlock, symmetric_symbols
 from .riemann import horizontal_conditions, vertical_basis
 from .tensor import SymTensor
+
+# The torch kernels of `geometry.gl`, applied here to SymTensor arguments (duck typing),
+# hence typed Any as in `checks` and `models`; `gl` itself still names the types.
+_glk: Any = gl
 
 __all__ = [
     "Solver",
@@ -78,7 +83,8 @@ def _frob(A: sp.Matrix, B: sp.Matrix) -> sp.Expr:
 
 def sym_project(sub: sg.Subalgebra, X: sp.Matrix, project: Callable | None = None) -> sp.Matrix:
     """The library's ``sub.project`` (or a candidate ``project``) run on a SymPy matrix."""
-    return _M((project or sub.project)(SymTensor(X)))
+    fn: Callable[..., Any] = project or sub.project  # run on a SymTensor (duck typing)
+    return _M(fn(SymTensor(X)))
 
 
 # -- rotations and the commutant ---------------------------------------------------------------
@@ -253,7 +259,7 @@ def _derived_vertical(block: GLBlock, N: list[sp.Matrix]) -> tuple[sp.Matrix, Ze
     action, omega = _action(block, N)
     V = vertical_basis(action, block.coords, omega)
     S = block.sym
-    lib = [block.vec(*(_M(t) for t in gl.vertical(S(block.G), S(block.H), SymTensor(-Na))))
+    lib = [block.vec(*(_M(t) for t in _glk.vertical(S(block.G), S(block.H), SymTensor(-Na))))
            for Na in N]
     return V, prove_zero([V[i, a] - lib[a][i] for a in range(len(N)) for i in range(V.rows)])
 
@@ -266,9 +272,9 @@ def _weighted(block: GLBlock, metric: str, eps: sp.Expr):
     P, Q = block.grams()
     if metric == "inv":
         WP, WQ = symmetric_symbols("wp", h), symmetric_symbols("wq", h)
-        gr = gl.Grams(SymTensor(P), SymTensor(Q), SymTensor(WP), SymTensor(WQ), None, None, eps)
+        gr = _glk.Grams(SymTensor(P), SymTensor(Q), SymTensor(WP), SymTensor(WQ), None, None, eps)
         return (WP, WQ), gr
-    gr = gl.Grams(SymTensor(P), SymTensor(Q), None, None, None, None, eps)
+    gr = _glk.Grams(SymTensor(P), SymTensor(Q), None, None, None, None, eps)
     return (Q, P), gr
 
 
@@ -312,7 +318,7 @@ def check_vertical_subgroup(
         xi = block.tangent("xi")
         flat = block.vec(*xi)
         Y = _unknown(h, "y")
-        vY = [_M(t) for t in gl.vertical(S(block.G), S(block.H), SymTensor(Y))]
+        vY = [_M(t) for t in _glk.vertical(S(block.G), S(block.H), SymTensor(Y))]
         D = _M(sg.vertical_dual(S(block.G), S(block.H), S(xi[0]), S(xi[1]), gr, metric))
         dual = prove_zero([g(flat, block.vec(*vY)) - _frob(D, Y)])
         Rlib = _M(residual(S(block.G), S(block.H), S(xi[0]), S(xi[1]), gr, metric, sub))
@@ -343,7 +349,7 @@ def _direct_projection(block: GLBlock, sub, metric: str, solve: Solver) -> Outco
     xi = block.tangent("xi")
     D = sg.vertical_dual(S(block.G), S(block.H), S(xi[0]), S(xi[1]), gr, metric)
     X = _M(solve(D, gr, metric, sub))
-    vG, vH = gl.vertical(S(block.G), S(block.H), SymTensor(X))
+    vG, vH = _glk.vertical(S(block.G), S(block.H), SymTensor(X))
     pi = block.vec(xi[0] + _M(vG), xi[1] + _M(vH))
     Y = _unknown(block.h, "y")
     X0 = _M(solve(SymTensor(Y - sym_project(sub, Y)), gr, metric, sub))
@@ -392,7 +398,7 @@ def _equation_projection(block: GLBlock, sub, metric: str, solve: Solver | None)
     xi = block.tangent("xi")
 
     def V(M: sp.Matrix) -> list[sp.Expr]:
-        return block.vec(*(_M(t) for t in gl.vertical(S(block.G), S(block.H), SymTensor(M))))
+        return block.vec(*(_M(t) for t in _glk.vertical(S(block.G), S(block.H), SymTensor(M))))
 
     def L(M: sp.Matrix, grams=gr) -> sp.Matrix:
         return _M(sg.dual_operator(SymTensor(M), grams, metric))
@@ -423,10 +429,10 @@ def _equation_projection(block: GLBlock, sub, metric: str, solve: Solver | None)
     if solve is not None:
         Pa, Qa = symmetric_symbols("p", h), symmetric_symbols("q", h)
         if metric == "inv":
-            gra = gl.Grams(SymTensor(Pa), SymTensor(Qa), SymTensor(symmetric_symbols("wp", h)),
+            gra = _glk.Grams(SymTensor(Pa), SymTensor(Qa), SymTensor(symmetric_symbols("wp", h)),
                            SymTensor(symmetric_symbols("wq", h)), None, None, eps)
         else:
-            gra = gl.Grams(SymTensor(Pa), SymTensor(Qa), None, None, None, None, eps)
+            gra = _glk.Grams(SymTensor(Pa), SymTensor(Qa), None, None, None, None, eps)
         R = _unknown(h, "r")
         Xs = _M(solve(SymTensor(R), gra, metric, sub))
         X0 = _M(solve(SymTensor(Yg - PY), gra, metric, sub))
@@ -464,6 +470,9 @@ def check_projection_subgroup(
 
     def run() -> Outcome:
         if mode == "direct":
+            if solve is None:
+                raise ValueError("mode='direct' needs a solve (solve=None proves the "
+                                 "equation alone)")
             return _direct_projection(block, sub, metric, solve)
         return _equation_projection(block, sub, metric, solve)
 
