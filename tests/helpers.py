@@ -1,8 +1,12 @@
-"""Shared generators and reference computations for the geometry tests."""
+"""Shared generators and reference computations for the geometry tests, and the tiny model
+population of the command-line tests."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+import textwrap
 
 import torch
 
@@ -60,3 +64,74 @@ def reference_projection(M, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     g = metric_tensor(M, x)
     coeff = torch.linalg.lstsq(V.T @ g @ V, V.T @ g @ u.reshape(-1, 1)).solution
     return (u.reshape(-1, 1) - V @ coeff).reshape(u.shape)
+
+
+# -- the population of the command-line tests ------------------------------------------------
+POP_FACTORY = textwrap.dedent(
+    """
+    import os, time
+    import torch
+    from torch import nn
+
+    class Tiny(nn.Module):
+        def __init__(self, d=8, heads=2, classes=3):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+            self.head = nn.Linear(d, classes)
+
+        def forward(self, x):
+            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+    def make_model():
+        torch.manual_seed(0)
+        return Tiny()
+
+    def make_data():
+        if os.environ.get("POP_PIDS"):  # the kill test needs each rank's process id
+            path = os.path.join(os.environ["POP_PIDS"], "pid" + os.environ.get("RANK", "0"))
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+        if os.environ.get("POP_SLOW"):
+            time.sleep(float(os.environ["POP_SLOW"]))
+        g = torch.Generator().manual_seed(1)
+        return [(torch.randn(4, 3, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
+                for _ in range(2)]
+
+    def other_model():
+        return nn.Linear(8, 3)
+
+    def mse_loss(model, batch):
+        x, y = batch
+        return ((model(x) - nn.functional.one_hot(y, 3).to(x.dtype)) ** 2).mean()
+    """
+)
+"""The factory module `popmod` of the command-line tests: a tiny attention classifier
+(`make_model`), its data (`make_data`; `POP_SLOW` delays it, `POP_PIDS` records the process
+id), a second model and a second loss."""
+
+
+def population_states(folder, n: int) -> list[dict]:
+    """Write `popmod.py` into `folder`; `n` state dicts of its model, member `i` perturbed by
+    Gaussian noise of scale `0.3 (i + 1)` (generator seed `100 + i`)."""
+    (folder / "popmod.py").write_text(POP_FACTORY)
+    sys.path.insert(0, str(folder))
+    try:
+        import popmod
+
+        base = popmod.make_model().state_dict()
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("popmod", None)
+    states = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(100 + i)
+        states.append({k: v + 0.3 * (i + 1) * torch.randn(v.shape, generator=g, dtype=v.dtype)
+                       for k, v in base.items()})
+    return states
+
+
+def jsonl_lines(path) -> list[dict]:
+    """Every line of a results file, each a complete JSON object ending in a newline."""
+    raw = path.read_bytes()
+    assert raw == b"" or raw.endswith(b"\n"), "the file ends in a torn line"
+    return [json.loads(line) for line in raw.decode().splitlines()]

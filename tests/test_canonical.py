@@ -334,20 +334,6 @@ def test_shift_modes():
         (1.0, 1.0)}
 
 
-def test_float64_internals_keeps_float64():
-    x = torch.randn(3, 4, dtype=torch.float64)
-    with float64_internals():
-        assert x.float().dtype == torch.float64
-        assert x.to(torch.float32).dtype == torch.float64
-        assert x.to("cpu", torch.float16).dtype == torch.float64
-        assert x.type_as(torch.zeros(1, dtype=torch.float32)).dtype == torch.float64
-        assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
-        assert x.to(torch.int64).dtype == torch.int64
-        y = torch.randn(2, dtype=torch.float32)
-        assert y.to(torch.float16).dtype == torch.float16  # only float64 tensors are kept
-    assert x.float().dtype == torch.float32
-
-
 # -- the canonical point ----------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(ZOO))
 def test_canonical_point_preserves_function_and_is_idempotent(name):

@@ -15,51 +15,16 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import jsonl_lines, population_states
 from scipy.stats import kendalltau
 
 from quotient_manifolds.cli import main
 from quotient_manifolds.experiments.population import read_jsonl
-
-FACTORY = textwrap.dedent(
-    """
-    import os, time
-    import torch
-    from torch import nn
-
-    class Tiny(nn.Module):
-        def __init__(self, d=8, heads=2, classes=3):
-            super().__init__()
-            self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-            self.head = nn.Linear(d, classes)
-
-        def forward(self, x):
-            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
-
-    def make_model():
-        torch.manual_seed(0)
-        return Tiny()
-
-    def make_data():
-        if os.environ.get("POP_SLOW"):
-            time.sleep(float(os.environ["POP_SLOW"]))
-        g = torch.Generator().manual_seed(1)
-        return [(torch.randn(4, 3, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
-                for _ in range(2)]
-
-    def other_model():
-        return nn.Linear(8, 3)
-
-    def mse_loss(model, batch):
-        x, y = batch
-        return ((model(x) - nn.functional.one_hot(y, 3).to(x.dtype)) ** 2).mean()
-    """
-)
 
 N_CKPT = 5
 
@@ -73,20 +38,8 @@ def pop(tmp_path):
     """A folder with the factory module and ``N_CKPT`` checkpoints (safetensors and torch)."""
     from safetensors.torch import save_file
 
-    (tmp_path / "popmod.py").write_text(FACTORY)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import popmod
-
-        base = popmod.make_model().state_dict()
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("popmod", None)
     ckpts = []
-    for i in range(N_CKPT):  # members differ by the scale of a random perturbation
-        g = torch.Generator().manual_seed(100 + i)
-        sd = {k: (v + 0.3 * (i + 1) * torch.randn(v.shape, generator=g, dtype=v.dtype))
-              for k, v in base.items()}
+    for i, sd in enumerate(population_states(tmp_path, N_CKPT)):
         if i % 2:
             p = tmp_path / f"m{i}.pt"
             torch.save(sd, p)
@@ -114,13 +67,6 @@ SHARP = ["sharpness", "--model", "popmod:make_model", "--data", "popmod:make_dat
          "--n-iter", "3", "--rho", "0.2", "--threads", "1", "--no-progress"]
 
 
-def _strictly_valid(path):
-    """Every line of the file is a complete JSON object ending in a newline."""
-    raw = path.read_bytes()
-    assert raw == b"" or raw.endswith(b"\n"), "the file ends in a torn line"
-    return [json.loads(line) for line in raw.decode().splitlines()]
-
-
 def test_interrupt_resume_and_correlate(pop):
     d, ckpts = pop
     out = d / "results.jsonl"
@@ -134,7 +80,7 @@ def test_interrupt_resume_and_correlate(pop):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err
     assert "run the same command again to resume" in err and "Traceback" not in err
-    first = _strictly_valid(out)
+    first = jsonl_lines(out)
     assert 1 <= len(first) < N_CKPT
 
     # 2. a torn trailing line (the writer died inside write) is cut off on the next run,
@@ -145,7 +91,7 @@ def test_interrupt_resume_and_correlate(pop):
                              "results.jsonl", *ckpts)
     assert code == 0, err
     assert f"{len(first)} result(s) already there, skipped" in err
-    lines = _strictly_valid(out)
+    lines = jsonl_lines(out)
     assert lines[: len(first)] == first  # finished results are not rewritten
     assert len(lines) == 2 * N_CKPT
     assert len({r["key"] for r in lines}) == 2 * N_CKPT
@@ -192,7 +138,7 @@ def test_kill_leaves_valid_jsonl(pop):
         time.sleep(0.02)
     p.kill()  # a crash: no handler runs
     p.communicate(timeout=30)
-    lines = _strictly_valid(out)
+    lines = jsonl_lines(out)
     assert 2 <= len(lines) < N_CKPT
     assert all(r["measure"] == "adaptive" and math.isfinite(r["value"]) for r in lines)
 

@@ -8,51 +8,19 @@ re-run completes the file.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 import torch
+from helpers import jsonl_lines, population_states
 
 from quotient_manifolds.cli import main
 from quotient_manifolds.experiments.population import assigned_pairs
 
-FACTORY = textwrap.dedent(
-    """
-    import os, time
-    import torch
-    from torch import nn
-
-    class Tiny(nn.Module):
-        def __init__(self, d=8, heads=2, classes=3):
-            super().__init__()
-            self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-            self.head = nn.Linear(d, classes)
-
-        def forward(self, x):
-            return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
-
-    def make_model():
-        torch.manual_seed(0)
-        return Tiny()
-
-    def make_data():
-        if os.environ.get("POP_PIDS"):  # the kill test needs each rank's process id
-            path = os.path.join(os.environ["POP_PIDS"], "pid" + os.environ.get("RANK", "0"))
-            with open(path, "w") as f:
-                f.write(str(os.getpid()))
-        if os.environ.get("POP_SLOW"):
-            time.sleep(float(os.environ["POP_SLOW"]))
-        g = torch.Generator().manual_seed(1)
-        return [(torch.randn(4, 3, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
-                for _ in range(2)]
-    """
-)
 N_CKPT = 6
 MEASURES = ("adaptive", "geodesic-inv-full")
 SHARP = ["sharpness", "--model", "popmod:make_model", "--data", "popmod:make_data",
@@ -63,20 +31,9 @@ INFO = ("elapsed_s", "rank", "world_size")  # what may differ between the runs
 @pytest.fixture(scope="module")
 def pop(tmp_path_factory):
     d = tmp_path_factory.mktemp("ranks")
-    (d / "popmod.py").write_text(FACTORY)
-    sys.path.insert(0, str(d))
-    try:
-        import popmod
-
-        base = popmod.make_model().state_dict()
-    finally:
-        sys.path.remove(str(d))
-        sys.modules.pop("popmod", None)
     ckpts = []
-    for i in range(N_CKPT):
-        g = torch.Generator().manual_seed(100 + i)
-        torch.save({k: v + 0.3 * (i + 1) * torch.randn(v.shape, generator=g, dtype=v.dtype)
-                    for k, v in base.items()}, d / f"m{i}.pt")
+    for i, sd in enumerate(population_states(d, N_CKPT)):
+        torch.save(sd, d / f"m{i}.pt")
         ckpts.append(f"m{i}.pt")
     return d, ckpts
 
@@ -94,7 +51,7 @@ def single(pop):
         os.chdir(cwd)
         sys.path.remove(str(d))
         sys.modules.pop("popmod", None)
-    return _lines(d / "single.jsonl")
+    return jsonl_lines(d / "single.jsonl")
 
 
 def _torchrun(d, out, ckpts, env=None):
@@ -104,12 +61,6 @@ def _torchrun(d, out, ckpts, env=None):
            "2", "-m", "quotient_manifolds", *SHARP, "--out", out, *ckpts]
     return subprocess.Popen(cmd, cwd=d, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
-
-
-def _lines(path):
-    raw = path.read_bytes()
-    assert raw == b"" or raw.endswith(b"\n"), "torn last line"
-    return [json.loads(line) for line in raw.decode().splitlines()]
 
 
 def _by_pair(lines):
@@ -139,7 +90,7 @@ def test_two_ranks_match_one_process(pop, single):
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     assert "rank 0/2: " in out and "rank 1/2: " in out
-    lines = _lines(d / "ranks.jsonl")
+    lines = jsonl_lines(d / "ranks.jsonl")
     assert len(lines) == N_CKPT * len(MEASURES)
     assert {r["rank"] for r in lines} == {0, 1} and {r["world_size"] for r in lines} == {2}
     for r in lines:  # checkpoint i on rank i mod 2
@@ -159,7 +110,7 @@ def test_killing_a_rank_loses_no_finished_line(pop, single, tmp_path):
     os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)  # rank 1 dies, no handler
     p.communicate(timeout=120)
     assert p.returncode != 0  # torchrun reports the failure and stops rank 0
-    first = _lines(out)
+    first = jsonl_lines(out)
     assert 3 <= len(first) < N_CKPT * len(MEASURES)
     want = _by_pair(single)
     assert all(want[k] == v for k, v in _by_pair(first).items())  # finished lines are intact
@@ -168,6 +119,6 @@ def test_killing_a_rank_loses_no_finished_line(pop, single, tmp_path):
     stdout, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     assert "already there, skipped" in err
-    lines = _lines(out)
+    lines = jsonl_lines(out)
     assert lines[: len(first)] == first
     assert _by_pair(lines) == want

@@ -633,6 +633,10 @@ def test_float64_internals_and_tolerance():
         assert x.type_as(torch.zeros(1, dtype=torch.float32)).dtype == torch.float64
         assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
         assert torch.zeros(2, dtype=torch.float32).dtype == torch.float32  # not a downcast
+        assert x.to(torch.int64).dtype == torch.int64
+        y = torch.randn(2, dtype=torch.float32)
+        assert y.to(torch.float16).dtype == torch.float16  # only float64 tensors are kept
+    assert x.float().dtype == torch.float32  # restored on exit
 
     class Casts(nn.Module):
         def __init__(self, escape):

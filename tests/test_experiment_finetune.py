@@ -428,7 +428,7 @@ def test_minilm_perturbed_selection_and_subsets():
     idx = mf.member_subset({"seed": 5, "train_size": 256}, 1024, 128)
     assert idx[:128].tolist() == list(range(128)) and len(set(idx.tolist())) == 256
     y = torch.arange(300) % 3
-    noisy = mf.noisy_labels(y, 0.2, seed=1)
+    noisy = mf.noisy_labels(y, 0.2, seed=1, n_classes=mf.N_CLASSES)
     assert int((noisy != y).sum()) == 60  # always a different class
     hs = mf.sample_population(36)
     assert hs == mf.sample_population(36) and hs[:8] == mf.sample_population()

@@ -45,7 +45,8 @@ from .store import PopulationStore
 from .template import Member, PopulationExperiment
 
 __all__ = ["DesignPoint", "FinetuneExperiment", "PlateauRule", "convergence_table",
-           "lr_factor", "ofat_alternates", "ofat_design", "train_to_convergence"]
+           "fit_record", "lr_factor", "ofat_alternates", "ofat_design",
+           "train_to_convergence"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,27 @@ def train_to_convergence(
     return {"history": history, "converged": converged, "epochs_run": e,
             "converged_epoch": e if converged else None, "steps": done,
             "train_s": time.perf_counter() - t0}
+
+
+def fit_record(hyper: dict, fit: dict, rule: PlateauRule, *, train: tuple[float, float],
+               train_clean_acc: float, test: tuple[float, float], subset: torch.Tensor,
+               fitted_labels: torch.Tensor) -> dict:
+    """The record of a fine-tuned member.
+
+    Its hyperparameters, the result of
+    [`train_to_convergence`][quotient_manifolds.experiments.finetune.train_to_convergence],
+    the rule, the `(loss, accuracy)` on the training set with its own labels (`train`) and on
+    the test split (`test`), the training accuracy on the clean labels, the gaps (the
+    classification gap `gap` = test error − train error, and `loss_gap`), the training
+    subset and the fitted labels.
+    """
+    (tr_loss, tr_acc), (te_loss, te_acc) = train, test
+    return {"hyper": hyper, **fit, "rule": rule.to_dict(), "train_loss": tr_loss,
+            "train_acc": tr_acc, "train_error": 1 - tr_acc,
+            "train_acc_clean_labels": train_clean_acc, "test_loss": te_loss,
+            "test_acc": te_acc, "test_error": 1 - te_acc, "gap": tr_acc - te_acc,
+            "loss_gap": te_loss - tr_loss, "subset": subset.tolist(),
+            "fitted_labels": fitted_labels.tolist()}
 
 
 # -- the one-factor-at-a-time design -------------------------------------------------------

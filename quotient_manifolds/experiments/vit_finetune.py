@@ -74,9 +74,18 @@ from .finetune import (
     DesignPoint,
     FinetuneExperiment,
     PlateauRule,
+    fit_record,
     lr_factor,
     ofat_design,
     train_to_convergence,
+)
+from .members import (
+    adamw_matrix_decay,
+    classification_eval,
+    member_subset,
+    noisy_labels,
+    redraw_linear,
+    sample_hypers,
 )
 from .modules import seeded
 from .store import PopulationStore, protocol_hash
@@ -113,12 +122,13 @@ PRETRAIN_EPOCHS = 60
 PRETRAIN_LR = 2e-3
 MAX_SHIFT = 2
 EVAL_BATCH = 500
+N_CLASSES = 10
 #: measurement: the first N_SHARP core images as one batch; APGD iterations / samples
 N_SHARP, QUICK_SHARP = 128, 16
 N_ITER = 20
 VIT = {"image_size": 28, "patch_size": 7, "num_channels": 1, "hidden_size": 64,
        "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 128,
-       "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": 10}
+       "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "num_labels": N_CLASSES}
 RULE = PlateauRule(min_acc=0.99, k=2, abs_tol=0.002, rel_tol=0.1, max_epochs=200)
 PRETRAINING = {"vit": VIT, "split_seed": SPLIT_SEED, "splits": SPLITS, "seed": 0,
                "optimizer": f"AdamW(lr={PRETRAIN_LR}, weight_decay=0.05)", "batch": PRETRAIN_BATCH,
@@ -201,17 +211,7 @@ def random_shift(x: torch.Tensor, max_shift: int, g: torch.Generator) -> torch.T
 def sample_population(n: int = N_BASES, grid: dict | None = None,
                       seed: int = SAMPLER_SEED) -> list[dict]:
     """The first `n` draws of the sampler (fixed seed); draw `i` has seed `i`."""
-    grid = GRID if grid is None else grid
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        h = {"lr": float(10 ** rng.uniform(*np.log10(LR_RANGE)))}
-        for k, v in grid.items():
-            x = v[int(rng.integers(len(v)))]
-            h[k] = float(x) if isinstance(x, float) else int(x)
-        h["seed"] = i
-        out.append(h)
-    return out
+    return sample_hypers(n, GRID if grid is None else grid, seed=seed, lr_range=LR_RANGE)
 
 
 def design(quick: bool = False) -> list[DesignPoint]:
@@ -226,23 +226,6 @@ def design(quick: bool = False) -> list[DesignPoint]:
 
 
 N_MEMBERS = len(design())
-
-
-def noisy_labels(y: torch.Tensor, frac: float, seed: int, n_classes: int = 10) -> torch.Tensor:
-    """Replace `round(frac·n)` labels (seeded) by a uniformly drawn other class."""
-    g = torch.Generator().manual_seed(10_000 + int(seed))
-    y = y.clone()
-    k = int(round(frac * len(y)))
-    idx = torch.randperm(len(y), generator=g)[:k]
-    y[idx] = (y[idx] + torch.randint(1, n_classes, (k,), generator=g)) % n_classes
-    return y
-
-
-def member_subset(hyper: dict, n_pool: int, core: int) -> torch.Tensor:
-    """Indices into part B of a member's training set: the shared core, then its own draw."""
-    g = torch.Generator().manual_seed(20_000 + int(hyper["seed"]))
-    rest = core + torch.randperm(n_pool - core, generator=g)[: int(hyper["train_size"]) - core]
-    return torch.cat([torch.arange(core), rest])
 
 
 # -- model -----------------------------------------------------------------------------------
@@ -268,23 +251,11 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
     return F.cross_entropy(model(pixel_values=x).logits, y)
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *,
              batch: int = EVAL_BATCH) -> tuple[float, float]:
     """Mean cross-entropy and accuracy."""
-    loss, correct = 0.0, 0
-    for i in range(0, len(y), batch):
-        logits = model(pixel_values=x[i:i + batch]).logits
-        loss += float(F.cross_entropy(logits, y[i:i + batch], reduction="sum"))
-        correct += int((logits.argmax(1) == y[i:i + batch]).sum())
-    return loss / len(y), correct / len(y)
-
-
-def _adamw(model: nn.Module, lr: float, wd: float) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": wd},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    return classification_eval(lambda rows: model(pixel_values=x[rows]).logits, y,
+                               batch=batch)
 
 
 def pretrain(data: dict, *, vit: dict = VIT, epochs: int = PRETRAIN_EPOCHS,
@@ -292,7 +263,7 @@ def pretrain(data: dict, *, vit: dict = VIT, epochs: int = PRETRAIN_EPOCHS,
     """Pretrain on part A (augmented); returns the model and its record."""
     model = build_vit(vit, seed=0)
     x, y = data["xa"], data["ya"]
-    opt = _adamw(model, PRETRAIN_LR, 0.05)
+    opt = adamw_matrix_decay(model, PRETRAIN_LR, 0.05)
     g = torch.Generator().manual_seed(1)
     n, per_epoch = len(y), math.ceil(len(y) / PRETRAIN_BATCH)
     t0, done = time.perf_counter(), 0
@@ -339,20 +310,14 @@ def train_member(pretrained: dict, hyper: dict, data: dict, *, vit: dict = VIT,
     seed = int(hyper["seed"])
     idx = member_subset(hyper, len(data["yb"]), core)
     x = data["xb"][idx]
-    y = noisy_labels(data["yb"][idx], float(hyper["label_noise"]), seed)
+    y = noisy_labels(data["yb"][idx], float(hyper["label_noise"]), seed, N_CLASSES)
     model = build_vit(vit)
     model.load_state_dict(pretrained)
-    g = torch.Generator().manual_seed(seed)
     head = model.classifier
     assert isinstance(head, nn.Linear)
-    bound = 1.0 / math.sqrt(head.in_features)
-    with torch.no_grad():
-        f32 = torch.float32  # the draws do not depend on the default dtype
-        head.weight.copy_(torch.rand(head.weight.shape, generator=g, dtype=f32) * 2 * bound
-                          - bound)
-        head.bias.copy_(torch.rand(head.bias.shape, generator=g, dtype=f32) * 2 * bound - bound)
+    redraw_linear(head, seed)
     lr = float(hyper["lr"])
-    opt = _adamw(model, lr, float(hyper["weight_decay"]))
+    opt = adamw_matrix_decay(model, lr, float(hyper["weight_decay"]))
     gen = torch.Generator().manual_seed(30_000 + seed)
 
     def step(b: torch.Tensor, factor: float, epoch: int) -> None:
@@ -368,14 +333,10 @@ def train_member(pretrained: dict, hyper: dict, data: dict, *, vit: dict = VIT,
     fit = train_to_convergence(n=len(idx), batch=BATCH, epochs=int(hyper["epochs"]), rule=rule,
                                step=step, evaluate=lambda: evaluate(model, x, y),
                                generator=gen, log=log)
-    tr_loss, tr_acc = evaluate(model, x, y)
-    _, clean_acc = evaluate(model, x, data["yb"][idx])
-    te_loss, te_acc = evaluate(model, data["xc"], data["yc"])
-    meta = {"hyper": hyper, **fit, "rule": rule.to_dict(), "train_loss": tr_loss,
-            "train_acc": tr_acc, "train_error": 1 - tr_acc, "train_acc_clean_labels": clean_acc,
-            "test_loss": te_loss, "test_acc": te_acc, "test_error": 1 - te_acc,
-            "gap": tr_acc - te_acc, "loss_gap": te_loss - tr_loss, "subset": idx.tolist(),
-            "fitted_labels": y.tolist()}
+    meta = fit_record(hyper, fit, rule, train=evaluate(model, x, y),
+                      train_clean_acc=evaluate(model, x, data["yb"][idx])[1],
+                      test=evaluate(model, data["xc"], data["yc"]), subset=idx,
+                      fitted_labels=y)
     return model, meta
 
 

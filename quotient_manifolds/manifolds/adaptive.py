@@ -188,8 +188,7 @@ class AdaptiveEuclidean(QuotientManifold):
         keepdim: bool = False,
     ) -> torch.Tensor:
         r"""$\sum u v / (w^2 + \varepsilon)$ over the trailing `ndim` dimensions."""
-        out = self._at(x, u, v).inner(u, v)
-        return out[(...,) + (None,) * self.ndim] if keepdim else out
+        return super().inner(x, u, v, keepdim=keepdim)
 
     def component_inner(
         self, x: torch.Tensor, u: torch.Tensor, v: torch.Tensor | None = None
