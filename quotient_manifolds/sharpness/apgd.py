@@ -63,21 +63,28 @@ class APGDResult:
     steps: list[torch.Tensor] = field(default_factory=list)
 
 
-class _Pool:
-    """Iterate buffers reused from step to step: a fresh 10⁷-entry tensor costs more in page
-    faults (on CPU) than the arithmetic written into it."""
+class _Buffers:
+    """The iterate buffers of one call, reused from step to step: a fresh 10⁷-entry tensor
+    costs more in page faults (on CPU) than the arithmetic written into it.
 
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
+    Only tensors that `apgd` allocated itself are ever written to (never `init` or the
+    objective's gradient)."""
+
+    def __init__(self, *owned: torch.Tensor) -> None:
+        self.owned = list(owned)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return any(b is t for b in self.owned)
 
     def take(self, like: torch.Tensor, busy: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """A buffer shaped like `like` that shares no memory with the tensors in `busy`."""
+        """An owned buffer shaped like `like` that shares no memory with the tensors in `busy`
+        (a new one if every owned buffer is busy)."""
         ptrs = {t.data_ptr() for t in busy}
-        for b in self.buffers:
+        for b in self.owned:
             if b.data_ptr() not in ptrs and b.shape == like.shape and b.dtype == like.dtype:
                 return b
         b = torch.empty_like(like)
-        self.buffers.append(b)
+        self.owned.append(b)
         return b
 
 
@@ -132,10 +139,10 @@ def apgd(
     if int(n_iter) < 1:
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     W = set(checkpoints(n_iter))
-    pool = _Pool()
     zero = feasible.zeros()
     problems = feasible.problems
     xi = zero if init is None else feasible.project(init.to(zero.dtype))
+    bufs = _Buffers(zero)
     xi_prev = xi
     dev = zero.device
     best = torch.as_tensor(base_loss, dtype=torch.float64, device=dev).expand(problems).clone()
@@ -158,9 +165,13 @@ def apgd(
         d = feasible.direction(xi, grad, inplace=True)
         z = feasible.step(xi, d, eta.to(xi.dtype), inplace=True)
         if k == 0:  # z may live in the gradient's memory
-            new = pool.take(z, (xi, res.best_xi)).copy_(z)
-        elif momentum_form == "reference":  # ξ + α(z − ξ), into a reused buffer
-            new = torch.lerp(xi, z, momentum, out=pool.take(z, (xi, res.best_xi)))
+            new = bufs.take(z, (xi, res.best_xi, z)).copy_(z)
+        elif momentum_form == "reference":
+            # ξ + α(z − ξ), over ξ itself when ξ is our buffer and not the best iterate (ξ is
+            # not needed after this step), else into another buffer of ours
+            free = bufs.owns(xi) and xi.data_ptr() != res.best_xi.data_ptr()
+            out = xi if free else bufs.take(z, (xi, res.best_xi, z))
+            new = torch.lerp(xi, z, momentum, out=out)
         else:
             new = feasible.project(torch.lerp(xi, z, momentum) + (1 - momentum) * (xi - xi_prev))
         xi_prev, xi = xi, new.detach()
