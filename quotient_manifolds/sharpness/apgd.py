@@ -21,16 +21,34 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from .feasible import FeasibleSet
 
-__all__ = ["checkpoints", "APGDResult", "apgd", "Objective"]
+__all__ = ["checkpoints", "APGDResult", "apgd", "Objective", "Layout"]
 
 Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """`objective(xi) -> (loss, grad)`: the loss `(*problems)` at the perturbation `xi`
 `(*problems, D)` and its gradient with respect to `xi`."""
+
+
+class Layout(Protocol):
+    """The packing of ξ of an objective, when it may change between calls (e.g. to the entries
+    whose gradient has ever been non-zero).
+
+    After a call that changed it, `version` differs, the returned gradient is in the new
+    packing, `feasible` is the set in the new packing and `convert` maps a vector of the
+    packing of the previous call to the new one. The entries a new packing drops must be 0 in
+    every iterate (the layout's promise; [`apgd`][quotient_manifolds.sharpness.apgd.apgd]
+    does not check it).
+    """
+
+    version: int
+    feasible: FeasibleSet
+
+    def convert(self, v: torch.Tensor) -> torch.Tensor: ...
 
 
 def checkpoints(n_iter: int) -> list[int]:
@@ -106,6 +124,7 @@ def apgd(
     momentum: float = 0.75,
     momentum_form: str = "reference",
     on_step: Callable[[int, torch.Tensor], None] | None = None,
+    layout: Layout | None = None,
 ) -> APGDResult:
     r"""Maximise `objective` over `feasible` by Auto-PGD.
 
@@ -133,6 +152,10 @@ def apgd(
         $P_S(\xi + \alpha(z - \xi) + (1 - \alpha)(\xi - \xi_{prev}))$ (Alg. 1 line 15).
     on_step : callable, optional
         Called with `(k, loss)` after each objective evaluation.
+    layout : Layout, optional
+        The objective's packing of ξ, when it may change between calls (usually the objective
+        itself): after a call that changed it, the iterates are converted to the new packing
+        and the set is `layout.feasible`. The result's `best_xi` is in the last packing.
     """
     if momentum_form not in ("reference", "apgd"):
         raise ValueError(f"momentum_form must be 'reference' or 'apgd', got {momentum_form!r}")
@@ -150,8 +173,17 @@ def apgd(
     res = APGDResult(best, zero)
     n_improve = torch.zeros(problems, dtype=torch.float64, device=dev)
     k_last, eta_last, best_last = 0, eta.clone(), best.clone()
+    version = None if layout is None else layout.version
     for k in range(n_iter):
         loss, grad = objective(xi)
+        if layout is not None and layout.version != version:  # a new packing of ξ
+            version, feasible = layout.version, layout.feasible
+            conv: dict[int, torch.Tensor] = {}  # aliases stay aliases
+            for t in (xi, xi_prev, res.best_xi):
+                if id(t) not in conv:
+                    conv[id(t)] = layout.convert(t)
+            xi, xi_prev, res.best_xi = (conv[id(t)] for t in (xi, xi_prev, res.best_xi))
+            bufs = _Buffers(*conv.values())
         loss = loss.detach().to(torch.float64).to(dev)
         res.losses.append(loss)
         res.steps.append(eta)
