@@ -37,6 +37,7 @@ __all__ = [
     "egrad2rgrad",
     "christoffel",
     "second_order",
+    "second_order_packed",
     "geodesic",
     "check_finite",
 ]
@@ -427,47 +428,79 @@ def _quadratic_coefficients(S: torch.Tensor, T: torch.Tensor, gr: Grams, metric:
 
 
 class _SecondOrder(torch.autograd.Function):
-    """``F + u − ½Γ(u, u)`` for both factors, ``Γ_F = F A_F + u_F B_F`` (span form).
+    """``x + u − ½Γ_x(u, u)`` of packed ``(N, n + m, h)`` points, ``Γ_F = F A_F + u_F B_F``
+    (span form), for both factors at once.
 
     Forward: ``S = uᵀF``, ``T = uᵀu`` and ``y = F C₁ + u C₂`` with ``C₁ = I − ½A``,
-    ``C₂ = I − ½B`` (four batched products per factor). Backward: ``dC₁ = Fᵀ dy``,
-    ``dC₂ = uᵀ dy`` and ``du = dy C₂ᵀ + F dSᵀ + u (dT + dTᵀ)``, with ``(dS, dT)`` from the
-    ``h×h`` coefficient map (differentiated by autograd, it is small). Reverse mode in ``u``
-    only.
+    ``C₂ = I − ½B`` (four batched products per factor, written into one packed output).
+    Backward: ``dC₁ = Fᵀ dy``, ``dC₂ = uᵀ dy`` and ``du = dy C₂ᵀ + F dSᵀ + u (dT + dTᵀ)``
+    (accumulated in place into one packed gradient), with ``(dS, dT)`` from the ``h×h``
+    coefficient map (differentiated by autograd, it is small). Reverse mode in ``u`` only.
     """
 
     @staticmethod
-    def forward(ctx, uG, uH, G, H, gr, metric):
-        S = torch.stack([transpose(uG) @ G, transpose(uH) @ H])  # (2, …, h, h): uᵀF
-        T = torch.stack([transpose(uG) @ uG, transpose(uH) @ uH])
+    def forward(ctx, u, x, n, gr, metric):
+        parts = ((x[:, :n], u[:, :n]), (x[:, n:], u[:, n:]))
+        N, h = u.shape[0], u.shape[-1]
+        S = u.new_empty(2, N, h, h)  # uᵀF of both factors
+        T = u.new_empty(2, N, h, h)  # uᵀu
+        for i, (F, uF) in enumerate(parts):
+            torch.bmm(transpose(uF), F, out=S[i])
+            torch.bmm(transpose(uF), uF, out=T[i])
         A, B = _quadratic_coefficients(S, T, gr, metric)
         eye = eye_like(A)
         C1, C2 = eye - 0.5 * A, eye - 0.5 * B
-        ctx.save_for_backward(S, T, C2, G, H, uG, uH)
-        ctx.gr, ctx.metric = gr, metric
-        yG = torch.matmul(G, C1[0]).add_(torch.matmul(uG, C2[0]))
-        yH = torch.matmul(H, C1[1]).add_(torch.matmul(uH, C2[1]))
-        return yG, yH
+        y = torch.empty_like(u)
+        for i, ((F, uF), yF) in enumerate(zip(parts, (y[:, :n], y[:, n:]), strict=True)):
+            torch.bmm(F, C1[i], out=yF)
+            yF.baddbmm_(uF, C2[i])
+        ctx.save_for_backward(S, T, C2, x, u)
+        ctx.gr, ctx.metric, ctx.n = gr, metric, n
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, dyG, dyH):
-        S, T, C2, G, H, uG, uH = ctx.saved_tensors
-        pairs = ((G, uG, dyG), (H, uH, dyH))
-        dC1 = torch.stack([transpose(F) @ dy for F, _, dy in pairs])
-        dC2 = torch.stack([transpose(u) @ dy for _, u, dy in pairs])
+    def backward(ctx, dy):
+        S, T, C2, x, u = ctx.saved_tensors
+        n = ctx.n
+        parts = ((x[:, :n], u[:, :n], dy[:, :n]), (x[:, n:], u[:, n:], dy[:, n:]))
+        dC1, dC2 = torch.empty_like(S), torch.empty_like(S)
+        for i, (F, uF, dyF) in enumerate(parts):
+            torch.bmm(transpose(F), dyF, out=dC1[i])
+            torch.bmm(transpose(uF), dyF, out=dC2[i])
         with torch.enable_grad():
             S_, T_ = S.detach().requires_grad_(), T.detach().requires_grad_()
             A, B = _quadratic_coefficients(S_, T_, ctx.gr, ctx.metric)
             dS, dT = torch.autograd.grad((A, B), (S_, T_), (-0.5 * dC1, -0.5 * dC2))
-        out = []
-        for i, (F, u, dy) in enumerate(pairs):
+        du = torch.empty_like(u)
+        for i, ((F, uF, dyF), duF) in enumerate(zip(parts, (du[:, :n], du[:, n:]),
+                                                     strict=True)):
             # S_i = uᵀF, so d/du ⟨dS, uᵀF⟩ = F dSᵀ; d/du ⟨dT, uᵀu⟩ = u(dT + dTᵀ)
-            du = torch.matmul(dy, transpose(C2[i]))
-            du.add_(torch.matmul(F, transpose(dS[i]))).add_(
-                torch.matmul(u, dT[i] + transpose(dT[i])))
-            out.append(du)
-        return out[0], out[1], None, None, None, None
+            torch.bmm(dyF, transpose(C2[i]), out=duF)
+            duF.baddbmm_(F, transpose(dS[i])).baddbmm_(uF, dT[i] + transpose(dT[i]))
+        return du, None, None, None, None
+
+
+def second_order_packed(x: torch.Tensor, u: torch.Tensor, n: int, gr: Grams, metric: str
+                        ) -> torch.Tensor:
+    r"""The second-order retraction $x + u - \tfrac12 \Gamma_x(u, u)$ (Eq. 5) of packed points
+    `x = [G; H]` `(..., n + m, h)` along `u` (same layout), as one packed tensor.
+
+    The kernel of [`second_order`][quotient_manifolds.geometry.gl.second_order] without the
+    split and join of the factors: one output and, in the backward pass, one gradient, with no
+    other temporaries of the size of `x`. Differentiable in `u` (reverse mode; the base point
+    is constant). Returned in the dtype of `u`.
+    """
+    out_dt = u.dtype
+    dt, (x, u) = _work(x, u)
+    batch = torch.broadcast_shapes(x.shape[:-2], u.shape[:-2])
+    shape = (*batch, *u.shape[-2:])
+    x, u = (t.expand(shape).reshape(-1, *shape[-2:]) for t in (x, u))
+    h = shape[-1]
+    flat = gr._replace(**{k: getattr(gr, k).expand(*batch, h, h).reshape(-1, h, h)
+                          for k in ("P_inv", "Q_inv")})
+    y = _SecondOrder.apply(u, x, n, flat, metric)
+    return y.view(shape).to(out_dt)
 
 
 def second_order(
@@ -482,17 +515,20 @@ def second_order(
 
     Equal to `(G, H) + (uG, uH) − ½ christoffel(G, H, uG, uH, None, None, gr, metric)`, computed
     in the span form $\Gamma_F = F A_F + u_F B_F$ (the form the exact geodesic integrates) with a
-    hand-written backward: two batched products per factor forward and two backward.
+    hand-written backward: four batched products per factor forward and five backward.
     Differentiable in `uG`, `uH` (reverse mode; the base point is constant). Returned in the
     dtype of `uG`. `quotient-manifolds verify` checks it against the metric-derived Γ and its
     gradient (the retraction bridge).
     """
-    out_dt = uG.dtype
-    dt, (G, H, uG, uH) = _work(G, H, uG, uH)
+    n = G.shape[-2]
     batch = torch.broadcast_shapes(G.shape[:-2], H.shape[:-2], uG.shape[:-2], uH.shape[:-2])
-    G, H, uG, uH = (t.expand(*batch, *t.shape[-2:]) for t in (G, H, uG, uH))
-    yG, yH = _SecondOrder.apply(uG, uH, G, H, gr, metric)
-    return yG.to(out_dt), yH.to(out_dt)
+
+    def cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a.expand(*batch, *a.shape[-2:]),
+                          b.to(a.dtype).expand(*batch, *b.shape[-2:])], dim=-2)
+
+    y = second_order_packed(cat(G, H), cat(uG, uH), n, gr, metric)
+    return y[..., :n, :], y[..., n:, :]
 
 
 def _span_coefficients(P, S, T, metric: str, eps: float):

@@ -141,7 +141,7 @@ class GLTangentSpace(TangentSpace):
     def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
         r"""As [`TangentSpace.retract`][quotient_manifolds.manifolds.base.TangentSpace.retract];
         the second order runs as one fused kernel
-        (`quotient_manifolds.geometry.gl.second_order`), equal to
+        (`quotient_manifolds.geometry.gl.second_order_packed`), equal to
         $x_0 + u - \tfrac12 \Gamma_{x_0}(u, u)$, unless the base point itself requires a
         gradient."""
         kind = self.manifold.retraction if kind is None else kind
@@ -149,8 +149,7 @@ class GLTangentSpace(TangentSpace):
             # the fused kernel differentiates in u only; a base point that needs a gradient
             # takes the autograd path through x0 + u − ½Γ(u, u)
             return super().retract(u, kind)
-        yG, yH = gl.second_order(self.G, self.H, *self.split(u), self.grams, self.metric)
-        return _join(yG, yH, u.dtype)
+        return gl.second_order_packed(self.x0, u, self.n, self.grams, self.metric)
 
     def geodesic(self, u: torch.Tensor) -> torch.Tensor:
         """RK4 in the $2h$-dim span of $[F, u_F]$

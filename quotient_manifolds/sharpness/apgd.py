@@ -21,16 +21,34 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from .feasible import FeasibleSet
 
-__all__ = ["checkpoints", "APGDResult", "apgd", "Objective"]
+__all__ = ["checkpoints", "APGDResult", "apgd", "Objective", "Layout"]
 
 Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """`objective(xi) -> (loss, grad)`: the loss `(*problems)` at the perturbation `xi`
 `(*problems, D)` and its gradient with respect to `xi`."""
+
+
+class Layout(Protocol):
+    """The packing of ξ of an objective, when it may change between calls (e.g. to the entries
+    whose gradient has ever been non-zero).
+
+    After a call that changed it, `version` differs, the returned gradient is in the new
+    packing, `feasible` is the set in the new packing and `convert` maps a vector of the
+    packing of the previous call to the new one. The entries a new packing drops must be 0 in
+    every iterate (the layout's promise; [`apgd`][quotient_manifolds.sharpness.apgd.apgd]
+    does not check it).
+    """
+
+    version: int
+    feasible: FeasibleSet
+
+    def convert(self, v: torch.Tensor) -> torch.Tensor: ...
 
 
 def checkpoints(n_iter: int) -> list[int]:
@@ -63,21 +81,28 @@ class APGDResult:
     steps: list[torch.Tensor] = field(default_factory=list)
 
 
-class _Pool:
-    """Iterate buffers reused from step to step: a fresh 10⁷-entry tensor costs more in page
-    faults (on CPU) than the arithmetic written into it."""
+class _Buffers:
+    """The iterate buffers of one call, reused from step to step: a fresh 10⁷-entry tensor
+    costs more in page faults (on CPU) than the arithmetic written into it.
 
-    def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []
+    Only tensors that `apgd` allocated itself are ever written to (never `init` or the
+    objective's gradient)."""
+
+    def __init__(self, *owned: torch.Tensor) -> None:
+        self.owned = list(owned)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return any(b is t for b in self.owned)
 
     def take(self, like: torch.Tensor, busy: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """A buffer shaped like `like` that shares no memory with the tensors in `busy`."""
+        """An owned buffer shaped like `like` that shares no memory with the tensors in `busy`
+        (a new one if every owned buffer is busy)."""
         ptrs = {t.data_ptr() for t in busy}
-        for b in self.buffers:
+        for b in self.owned:
             if b.data_ptr() not in ptrs and b.shape == like.shape and b.dtype == like.dtype:
                 return b
         b = torch.empty_like(like)
-        self.buffers.append(b)
+        self.owned.append(b)
         return b
 
 
@@ -99,6 +124,7 @@ def apgd(
     momentum: float = 0.75,
     momentum_form: str = "reference",
     on_step: Callable[[int, torch.Tensor], None] | None = None,
+    layout: Layout | None = None,
 ) -> APGDResult:
     r"""Maximise `objective` over `feasible` by Auto-PGD.
 
@@ -126,16 +152,20 @@ def apgd(
         $P_S(\xi + \alpha(z - \xi) + (1 - \alpha)(\xi - \xi_{prev}))$ (Alg. 1 line 15).
     on_step : callable, optional
         Called with `(k, loss)` after each objective evaluation.
+    layout : Layout, optional
+        The objective's packing of ξ, when it may change between calls (usually the objective
+        itself): after a call that changed it, the iterates are converted to the new packing
+        and the set is `layout.feasible`. The result's `best_xi` is in the last packing.
     """
     if momentum_form not in ("reference", "apgd"):
         raise ValueError(f"momentum_form must be 'reference' or 'apgd', got {momentum_form!r}")
     if int(n_iter) < 1:
         raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
     W = set(checkpoints(n_iter))
-    pool = _Pool()
     zero = feasible.zeros()
     problems = feasible.problems
     xi = zero if init is None else feasible.project(init.to(zero.dtype))
+    bufs = _Buffers(zero)
     xi_prev = xi
     dev = zero.device
     best = torch.as_tensor(base_loss, dtype=torch.float64, device=dev).expand(problems).clone()
@@ -143,8 +173,17 @@ def apgd(
     res = APGDResult(best, zero)
     n_improve = torch.zeros(problems, dtype=torch.float64, device=dev)
     k_last, eta_last, best_last = 0, eta.clone(), best.clone()
+    version = None if layout is None else layout.version
     for k in range(n_iter):
         loss, grad = objective(xi)
+        if layout is not None and layout.version != version:  # a new packing of ξ
+            version, feasible = layout.version, layout.feasible
+            conv: dict[int, torch.Tensor] = {}  # aliases stay aliases
+            for t in (xi, xi_prev, res.best_xi):
+                if id(t) not in conv:
+                    conv[id(t)] = layout.convert(t)
+            xi, xi_prev, res.best_xi = (conv[id(t)] for t in (xi, xi_prev, res.best_xi))
+            bufs = _Buffers(*conv.values())
         loss = loss.detach().to(torch.float64).to(dev)
         res.losses.append(loss)
         res.steps.append(eta)
@@ -158,9 +197,13 @@ def apgd(
         d = feasible.direction(xi, grad, inplace=True)
         z = feasible.step(xi, d, eta.to(xi.dtype), inplace=True)
         if k == 0:  # z may live in the gradient's memory
-            new = pool.take(z, (xi, res.best_xi)).copy_(z)
-        elif momentum_form == "reference":  # ξ + α(z − ξ), into a reused buffer
-            new = torch.lerp(xi, z, momentum, out=pool.take(z, (xi, res.best_xi)))
+            new = bufs.take(z, (xi, res.best_xi, z)).copy_(z)
+        elif momentum_form == "reference":
+            # ξ + α(z − ξ), over ξ itself when ξ is our buffer and not the best iterate (ξ is
+            # not needed after this step), else into another buffer of ours
+            free = bufs.owns(xi) and xi.data_ptr() != res.best_xi.data_ptr()
+            out = xi if free else bufs.take(z, (xi, res.best_xi, z))
+            new = torch.lerp(xi, z, momentum, out=out)
         else:
             new = feasible.project(torch.lerp(xi, z, momentum) + (1 - momentum) * (xi - xi_prev))
         xi_prev, xi = xi, new.detach()

@@ -40,9 +40,9 @@ from ..errors import (
     SingleBatchError,
 )
 from ..models import Geometry, ModelGeometry
-from ..models.model_geometry import ParamSelection
+from ..models.model_geometry import ParamSelection, RowLayout
 from .distributed import Evaluator, Shard, resolve_shard
-from .feasible import make_feasible
+from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
 from .result import SharpnessResult
 from .solvers import APGD, Average, GeooptSolver
 
@@ -174,6 +174,108 @@ class _BatchProblem:
         if self._grad is None:
             self._grad = torch.empty_like(xi)
         return loss.detach(), self.geo.pack_grads(leaves, grads, out=self._grad)
+
+    def active(self, feasible: FeasibleSet) -> _ActiveRows | None:
+        r"""The objective on the adaptive rows whose gradient has ever been non-zero, for APGD
+        started at ξ = 0; `None` where that restriction is not known to give the same iterates
+        (a batch of problems, an adaptive retraction other than $w + \xi$, a feasible set other
+        than the four of [`make_feasible`][quotient_manifolds.sharpness.feasible.make_feasible])."""
+        if (self.geo.geometry.adaptive_retraction != "first_order" or feasible.problems
+                or type(feasible) not in _ROW_SETS):
+            return None
+        return _ActiveRows(self, feasible)
+
+
+_ROW_SETS = (MetricBall, AdaptiveNormBall, Ellipsoid, Box)
+"""The feasible sets whose every operation keeps an entry at 0 when the entry and its gradient
+are 0 (see `_ActiveRows`)."""
+
+
+class _ActiveRows:
+    r"""The loss of one batch on the rows of the adaptive entries whose gradient has ever been
+    non-zero: an APGD objective with a [`Layout`][quotient_manifolds.sharpness.apgd.Layout].
+
+    The first call is in the full packing; its gradient decides the rows kept
+    ([`row_layout`][quotient_manifolds.models.model_geometry.ModelGeometry.row_layout]): of a
+    whole-parameter adaptive entry, the rows (slices along dim 0) whose gradient is not
+    identically zero, e.g. the embedding rows of the tokens the batch reads. Every later call
+    checks the rows not kept and adds those whose gradient is no longer zero
+    ([`grow`][quotient_manifolds.models.model_geometry.RowLayout.grow]) before the step.
+
+    **Why the iterates are those of the full packing.** Take a row $r$ whose gradient was 0 at
+    the iterates $\xi_0 = 0, \dots, \xi_{k-1}$. By induction, $\xi_0, \dots, \xi_k$ (and every
+    intermediate vector of APGD: the ascent point $z$, the momentum step, the best iterate of a
+    restart) are 0 on $r$, because every operation of the four sets maps (0 entry, 0 gradient)
+    to 0 and acts on the other entries as if $r$ were absent:
+
+    * the direction: $c^2 \odot \nabla$ on adaptive entries (metric ball; the adaptive metric
+      has no vertical part), $\Pi^{c}(c^2 \odot \nabla)$ (adaptive-norm ball; $\Pi^{c}$ is the
+      identity on adaptive entries), $c \odot \nabla / \|\nabla\|_2$ (ellipsoid),
+      $c \odot \operatorname{sign} \nabla$ (box), each divided by a norm to which 0 entries
+      add nothing;
+    * the step $\xi + \eta d$, the radial shrink (a scaling), the ellipsoid's projection
+      $y / (1 + \lambda b)$ (0 where $y$ is 0; the bisection for $\lambda$ evaluates norms
+      to which 0 entries add nothing), clipping to the box, and `clip_to_domain` (the
+      identity on adaptive entries);
+    * the momentum steps and restarts (combinations of iterates).
+
+    The GL blocks are kept whole, so their retraction (first order, second order or exact) and
+    metric (`inv`, `mix`) do not matter; the adaptive entries are perturbed by $w + \xi$, so a
+    row at 0 in $\xi$ is the base weight, and the loss and the gradient on the kept entries
+    are those of the full packing at the same iterate. The two runs differ only in the order
+    of summation inside the norms.
+    """
+
+    def __init__(self, problem: _BatchProblem, feasible: FeasibleSet) -> None:
+        self.problem = problem
+        self.full = feasible
+        self.feasible = feasible
+        self.layout: RowLayout | None = None
+        self.previous: RowLayout | None = None
+        self.version = 0
+        self.started = False
+        self._grad: torch.Tensor | None = None
+
+    def _use(self, layout: RowLayout) -> None:
+        self.previous, self.layout = self.layout, layout
+        self.version += 1
+        self.feasible = self.full.restrict(layout.space, layout.take)
+        self._grad = None
+
+    def __call__(self, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        prob, geo = self.problem, self.problem.geo
+        if self.layout is None and self.started:  # no rows to drop: the full packing
+            return prob.loss_and_grad(xi)
+        params, leaves = geo.params_and_leaves(xi, self.layout)
+        loss = prob.ev(params, prob.batch)
+        prob._check(loss, True)
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        if self.layout is None:
+            self.started = True
+            layout = geo.row_layout(grads)
+            if layout is None:
+                if prob._grad is None:
+                    prob._grad = torch.empty_like(xi)
+                return loss.detach(), geo.pack_grads(leaves, grads, out=prob._grad)
+            self._use(layout)
+        else:
+            grown = self.layout.grow(grads)
+            if grown is not None:
+                self._use(grown)
+        assert self.layout is not None
+        if self._grad is None:
+            self._grad = torch.empty(self.layout.D, dtype=geo.dtype, device=geo.w0.device)
+        return loss.detach(), geo.pack_grads(leaves, grads, out=self._grad, layout=self.layout)
+
+    def convert(self, v: torch.Tensor) -> torch.Tensor:
+        """A vector of the packing before the last change, in the current packing."""
+        assert self.layout is not None
+        full = v if self.previous is None else self.previous.put(v)
+        return self.layout.take(full)
+
+    def expand(self, v: torch.Tensor) -> torch.Tensor:
+        """A vector of the current packing in the full packing (0 on the rows not kept)."""
+        return v if self.layout is None else self.layout.put(v)
 
 
 # -- driver -------------------------------------------------------------------------

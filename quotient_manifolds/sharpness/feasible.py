@@ -27,7 +27,9 @@ tangent vector) freezes entries at 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +40,9 @@ from ..models.config import BALLS
 __all__ = ["BALLS", "FeasibleSet", "MetricBall", "AdaptiveNormBall", "Ellipsoid", "Box",
            "make_feasible"]
 
+
+
+_Set = TypeVar("_Set", bound="FeasibleSet")
 
 
 def _scalar(t: torch.Tensor) -> bool:
@@ -160,6 +165,22 @@ class FeasibleSet:
         """A random perturbation of the average case, at radius `rho`."""
         raise NotImplementedError
 
+    def restrict(self: _Set, space: ProductTangentSpace,
+                 take: Callable[[torch.Tensor], torch.Tensor]) -> _Set:
+        """The same set on the entries that `take` keeps, the other entries fixed at 0.
+
+        `space` is the tangent space of the kept entries and `take` maps a vector of this
+        set's packing to them; every per-entry attribute (`mask`, the weights) goes through
+        `take`. Meant for dropping adaptive entries only: every operation of the four sets acts
+        on those entry by entry, so on vectors that are 0 on the dropped entries the
+        restricted set gives the same norms, directions and projections (up to the order of
+        summation).
+        """
+        new = copy.copy(self)
+        new.space = space
+        new.mask = None if self.mask is None else take(self.mask)
+        return new
+
 
 class _HorizontalBall(FeasibleSet):
     """A ball of an inner product, intersected with the horizontal space (exact projection:
@@ -269,6 +290,13 @@ class AdaptiveNormBall(_HorizontalBall):
     def sample(self, generator: Generator = None) -> torch.Tensor:
         return self._masked(self.space.sample_weighted(self.w2, generator)) * self.rho
 
+    def restrict(self: _Set, space: ProductTangentSpace,
+                 take: Callable[[torch.Tensor], torch.Tensor]) -> _Set:
+        new = super().restrict(space, take)
+        assert isinstance(new, AdaptiveNormBall) and isinstance(self, AdaptiveNormBall)
+        new.w2, new.inv_w2 = take(self.w2), take(self.inv_w2)
+        return new
+
 
 class _Elementwise(FeasibleSet):
     """Sets without a horizontal constraint, scaled entrywise by `c` (the reference algorithm)."""
@@ -288,6 +316,13 @@ class _Elementwise(FeasibleSet):
 
     def rgrad(self, egrad: torch.Tensor) -> torch.Tensor:
         return self._masked(egrad * self.c)
+
+    def restrict(self: _Set, space: ProductTangentSpace,
+                 take: Callable[[torch.Tensor], torch.Tensor]) -> _Set:
+        new = super().restrict(space, take)
+        assert isinstance(new, _Elementwise) and isinstance(self, _Elementwise)
+        new.c, new.inv_c = take(self.c), take(self.inv_c)
+        return new
 
 
 class Ellipsoid(_Elementwise):

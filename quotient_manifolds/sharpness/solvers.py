@@ -32,7 +32,13 @@ __all__ = ["APGD", "Average", "GeooptSolver", "FeasibleSetManifold", "BatchProbl
 
 
 class BatchProblem(Protocol):
-    """What a solver needs from the loss of one batch."""
+    """What a solver needs from the loss of one batch.
+
+    A problem may also offer `active(feasible)`, which returns `None` or an objective with a
+    [`Layout`][quotient_manifolds.sharpness.apgd.Layout] on which APGD started at ξ = 0 runs
+    on fewer entries with the same iterates, and whose `expand(xi)` maps its packing back to
+    the full one; [`APGD`][quotient_manifolds.sharpness.solvers.APGD] uses it when present.
+    """
 
     def loss_and_grad(self, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Loss at the perturbation `xi` and its gradient with respect to `xi`."""
@@ -63,6 +69,11 @@ class APGD:
         The initial step is $2\rho \cdot$ `step_mult`.
     progress : bool
         A tqdm bar over the batches.
+    active_set : bool
+        Run the iterations on the adaptive rows whose gradient has ever been non-zero (e.g.
+        the embedding rows of the tokens a batch reads), where the problem offers it: the same
+        iterates up to the order of summation in the norms, with less work per iteration. The
+        maximiser is returned in the full packing either way.
     """
 
     n_iter: int = 20
@@ -70,6 +81,7 @@ class APGD:
     momentum_form: str = "reference"
     step_mult: float = 1.0
     progress: bool = False
+    active_set: bool = True
     kind: ClassVar[str] = "worst"
 
     def __post_init__(self) -> None:
@@ -87,10 +99,13 @@ class APGD:
     def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
               generator: torch.Generator | None = None) -> tuple[float, torch.Tensor, int]:
         """`(best loss, maximiser, loss evaluations)` of one batch."""
-        res = apgd(problem.loss_and_grad, feasible, base_loss, n_iter=self.n_iter,
-                   momentum=self.momentum, momentum_form=self.momentum_form,
-                   step_mult=self.step_mult)
-        return float(res.best_loss), res.best_xi, self.n_iter
+        active = getattr(problem, "active", None)
+        act = active(feasible) if active is not None and self.active_set else None
+        res = apgd(problem.loss_and_grad if act is None else act, feasible, base_loss,
+                   n_iter=self.n_iter, momentum=self.momentum,
+                   momentum_form=self.momentum_form, step_mult=self.step_mult, layout=act)
+        xi = res.best_xi if act is None else act.expand(res.best_xi)
+        return float(res.best_loss), xi, self.n_iter
 
 
 @dataclass(frozen=True)
