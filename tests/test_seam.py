@@ -519,3 +519,48 @@ def test_the_engine_reaches_the_geometry_only_through_tangent_spaces():
         assert space.manifold is grp.manifold
     assert isinstance(geo.space.spaces[-1], qm.manifolds.adaptive.AdaptiveTangentSpace)
     assert gl.METRICS == ("inv", "mix")
+
+
+class _TwoInputClassifier(torch.nn.Module):
+    """A model whose forward needs two inputs: no default example input reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.emb = torch.nn.Embedding(20, 8)
+        self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = torch.nn.Linear(8, 3)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        y, _ = self.attn(x, x, x, key_padding_mask=~mask, need_weights=False)
+        return self.head(y.mean(1))
+
+
+def test_full_symmetry_probes_folds_on_the_first_batch():
+    torch.manual_seed(0)
+    model = _TwoInputClassifier().double()
+    ids = torch.randint(0, 20, (6, 5))
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    y = torch.randint(0, 3, (6,))
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0], b[1]), b[2])
+
+    data = [(ids, mask, y)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", qm.SymmetryFallbackWarning)
+        full = qm.geodesic_sharpness(model, loss, data, rho=0.1, n_iter=3)
+    assert not [f for f in full.fallbacks if "folds" in str(f)]
+    paper = qm.geodesic_sharpness(model, loss, data, rho=0.1, n_iter=3,
+                                  geometry=qm.Geometry(symmetry="paper"))
+    assert full.value != paper.value  # the value-bias fold changed the point
+    # a one-shot iterator is not peeked at: the folds fall back, with the warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        qm.geodesic_sharpness(model, loss, iter(data), rho=0.1, n_iter=3)
+    assert any(issubclass(w.category, qm.SymmetryFallbackWarning)
+               and "example input" in str(w.message) for w in caught)

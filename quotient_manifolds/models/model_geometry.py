@@ -37,7 +37,7 @@ import difflib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -182,6 +182,10 @@ class ModelGeometry:
         if `geometry.blocks` is given).
     warn : bool
         Emit the discovery warnings.
+    example_inputs : optional
+        An input of the model for discovery's probes, as for
+        [`discover`][quotient_manifolds.models.discover] (used only when the symmetries are
+        discovered here).
 
     Attributes
     ----------
@@ -203,6 +207,7 @@ class ModelGeometry:
         params: ParamSelection = None,
         symmetries: Symmetries | None = None,
         warn: bool = True,
+        example_inputs: Any = None,
     ) -> None:
         geometry = Geometry() if geometry is None else geometry
         if not isinstance(geometry, Geometry):
@@ -230,7 +235,8 @@ class ModelGeometry:
         elif symmetries is not None:
             sym = symmetries
         else:
-            sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn)
+            sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn,
+                           example_inputs=example_inputs)
         self.symmetries = sym
         self.base, self.frozen = sym.canonicalize(raw)
         self.base = {n: t.detach() for n, t in self.base.items()}

@@ -278,6 +278,45 @@ class _ActiveRows:
         return v if self.layout is None else self.layout.put(v)
 
 
+class _Captured(Exception):
+    pass
+
+
+def _first_call(model: nn.Module, loss_fn: LossFn, data: Iterable,
+                geometry: Geometry) -> tuple[tuple, dict] | None:
+    """The model's inputs in `loss_fn(model, first batch)`, for discovery's probes.
+
+    Only where the symmetries are discovered (the probes of the blocks and of the full
+    group's folds run the model on an input) and `data` can be iterated twice; the forward
+    stops at its first pre-hook, so nothing runs and nothing changes. `None` otherwise, or if
+    the model is not called.
+    """
+    if geometry.metric is None or geometry.blocks is not None:
+        return None
+    if iter(data) is data:  # a one-shot iterator: its first batch must not be consumed here
+        return None
+    first = next(iter(data), None)
+    if first is None:
+        return None
+    call: list[tuple[tuple, dict]] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call.append((args, kwargs))
+        raise _Captured
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            loss_fn(model, first)
+    except _Captured:
+        pass
+    except Exception:  # noqa: BLE001 -- the loss fails later with its own, clearer error
+        return None
+    finally:
+        handle.remove()
+    return call[0] if call else None
+
+
 # -- driver -------------------------------------------------------------------------
 def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
                geometry: Geometry, solver: Solver, params: ParamSelection,
@@ -285,7 +324,8 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
     t0 = time.perf_counter()
     _check_data(data)
     ctx = resolve_shard(shard)
-    geo = ModelGeometry(model, geometry, params=params)
+    geo = ModelGeometry(model, geometry, params=params,
+                        example_inputs=_first_call(model, loss_fn, data, geometry))
     feasible = make_feasible(geometry.ball, geo.space, rho,
                              w2=None if geometry.ball == "metric" else geo.w2(),
                              horizontal=bool(geo.groups))
