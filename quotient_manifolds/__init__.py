@@ -57,6 +57,7 @@ from .sharpness import (
     adaptive_sharpness,
     geodesic_sharpness,
     landscape,
+    symmetries_of,
 )
 
 __version__ = "0.1.0"
@@ -108,6 +109,7 @@ __all__ = [
     "adaptive_sharpness",
     "geodesic_sharpness",
     "landscape",
+    "symmetries_of",
     "models",
     "sharpness",
 ]

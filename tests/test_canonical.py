@@ -723,3 +723,44 @@ def test_transform_with_stripped_blocks_moves_the_value_bias_along(name):
     assert stripped != blocks
     moved = transform_params(P, stripped, folds, a=2.0, generator=torch.Generator().manual_seed(0))
     assert _rel(_outputs(model, ex), _outputs(_load(model, moved), ex)) <= PROBE_RTOL
+
+
+def test_folds_are_probed_on_two_rows_of_the_example_input(monkeypatch):
+    """The fold probes run the model on the first rows of a batched example input; the folds
+    are those found on the whole input."""
+    from quotient_manifolds.models import canonical
+
+    model = encoder()
+    big = ((torch.randn(9, 5, 16, generator=torch.Generator().manual_seed(2)),), {})
+    blocks = _paper_blocks(model)
+    prober = canonical._Prober(model, big)
+    assert prober.args[0].shape == (canonical.PROBE_ROWS, 5, 16)
+    cut = find_folds(model, blocks, example_inputs=big)
+    monkeypatch.setattr(canonical, "PROBE_ROWS", 10**6)
+    whole = find_folds(model, blocks, example_inputs=big)
+    assert [f.describe() for f in cut[0]] == [f.describe() for f in whole[0]]
+    assert dict(Counter(f.kind for f in cut[0])) == ZOO["encoder_prenorm"][2]
+
+
+def test_fold_probes_use_the_whole_input_if_dim_0_is_not_a_batch():
+    """A sequence-first model with a positional table of the sequence length fails on cut
+    rows: the probes fall back to the whole input and find the fold."""
+    from quotient_manifolds.models import canonical
+
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            g = torch.Generator().manual_seed(1)
+            self.pos = nn.Parameter(torch.randn(6, 1, 4, generator=g))
+            self.norm, self.lin = nn.LayerNorm(4), nn.Linear(4, 3)
+            with torch.no_grad():
+                self.norm.weight.copy_(1 + torch.rand(4, generator=g))
+
+        def forward(self, x):  # (L, N, 4)
+            return self.lin(self.norm(x + self.pos))
+
+    model = SeqFirst().double()
+    ex = ((torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(3)),), {})
+    assert canonical._Prober(model, ex).args[0].shape == (6, 3, 4)
+    folds, fallbacks = find_folds(model, [], example_inputs=ex)
+    assert [f.kind for f in folds] == ["norm_gain"] and not fallbacks

@@ -564,3 +564,71 @@ def test_full_symmetry_probes_folds_on_the_first_batch():
         qm.geodesic_sharpness(model, loss, iter(data), rho=0.1, n_iter=3)
     assert any(issubclass(w.category, qm.SymmetryFallbackWarning)
                and "example input" in str(w.message) for w in caught)
+
+
+def _two_input_setup():
+    model = _TwoInputClassifier().double()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 20, (6, 5), generator=g)
+    mask = torch.ones(6, 5, dtype=torch.bool)
+    y = torch.randint(0, 3, (6,), generator=g)
+
+    def loss(m, b):
+        return torch.nn.functional.cross_entropy(m(b[0], b[1]), b[2])
+
+    return model, loss, [(ids, mask, y)]
+
+
+@pytest.mark.parametrize("symmetry", ["full", "paper"])
+def test_given_symmetries_are_used_without_discovery(monkeypatch, symmetry):
+    model, loss, data = _two_input_setup()
+    geo = qm.Geometry(symmetry=symmetry)
+    discovered = qm.geodesic_sharpness(model, loss, data, rho=0.1, n_iter=3, geometry=geo)
+    sym = qm.symmetries_of(model, loss, data, geometry=geo)
+    assert sym.symmetry == symmetry and sym.blocks
+    assert (symmetry == "full") == bool(sym.folds)
+
+    def no_discovery(*a, **k):
+        raise AssertionError("discovered again")
+
+    monkeypatch.setattr(qm.models.model_geometry, "discover", no_discovery)
+    given = qm.geodesic_sharpness(model, loss, data, rho=0.1, n_iter=3,
+                                  geometry=geo.replace(symmetries=sym))
+    assert given.value == discovered.value and given.blocks == discovered.blocks
+    assert given.settings["symmetries"] == {"given": True, "symmetry": symmetry,
+                                            "blocks": len(sym.blocks),
+                                            "folds": len(sym.folds)}
+    assert "symmetries" not in discovered.settings  # and not in the measures' specs:
+    assert all("symmetries" not in m.spec()["geometry"] for m in qm.MEASURES.values())
+
+
+def test_given_symmetries_must_match_the_geometry():
+    model, loss, data = _two_input_setup()
+    sym = qm.symmetries_of(model, loss, data, geometry=qm.Geometry(symmetry="paper"))
+    with pytest.raises(ValueError, match="symmetry='paper'"):
+        qm.Geometry(symmetry="full", symmetries=sym)
+    with pytest.raises(TypeError, match="Symmetries"):
+        qm.Geometry(symmetries=list(sym.blocks))
+    assert qm.Geometry(metric=None, symmetries=sym).metric is None  # no GL block: unused
+
+
+def test_a_sweep_discovers_once_per_symmetry(monkeypatch):
+    from quotient_manifolds.experiments import sharpness_suite as suite
+
+    model, loss, data = _two_input_setup()
+    calls = []
+    real = suite.symmetries_of
+
+    def counted(m, fn, d, *, geometry):
+        calls.append(geometry.symmetry)
+        return real(m, fn, d, geometry=geometry)
+
+    monkeypatch.setattr(suite, "symmetries_of", counted)
+    radii = {"adaptive": [0.1, 0.2], "inv": [0.05, 0.1], "mix": [0.05, 0.1]}
+    names = ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_inv_full",
+             "geodesic_mix_full", "geodesic_inv_full_average")
+    values = suite.measure_sweep(model, loss, data, radii=radii, n_iter=2, seed=0, cached={},
+                                 save=lambda d: None, names=names)
+    assert sorted(calls) == ["full", "paper"]
+    ref = qm.MEASURES["geodesic-inv-full"].run(model, loss, data, rho=0.1, n_iter=2, seed=0)
+    assert values["geodesic_inv_full"]["0.1"] == pytest.approx(ref.value, rel=1e-12)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -54,6 +55,8 @@ import torch
 from torch import nn
 
 from ..errors import QuotientManifoldError
+from ..models import Geometry, Symmetries
+from ..sharpness.engine import symmetries_of
 from ..sharpness.measures import Measure, measure
 
 __all__ = [
@@ -176,6 +179,7 @@ def measure_member(
     m = copy.deepcopy(model).double() if float64 else model
     data = [_to64(b) for b in batches] if float64 else list(batches)
     n_weights = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    found: dict[str, Symmetries] = {}
     for name, r in measure_tasks(rho, grid, names):
         key = repr(r)
         if key in values.get(name, {}):
@@ -185,7 +189,8 @@ def measure_member(
         meas = SUITE[name]
         r_call = r / math.sqrt(n_weights) if meas.kind == "average" else r
         try:
-            val = float(meas.run(m, loss_fn, data, rho=r_call, n_iter=n_iter, seed=seed).value)
+            val = float(_run_measure(meas, m, loss_fn, data, rho=r_call, n_iter=n_iter,
+                                     seed=seed, params=None, found=found).value)
         except QuotientManifoldError as e:  # e.g. rank-deficient head: recorded, not hidden
             val = math.nan
             values.setdefault("_errors", {})[name] = f"{type(e).__name__}: {e}"
@@ -351,10 +356,26 @@ def _measure_table() -> Any:
     return TABLE
 
 
+def _discovered_once(measure: Measure, model: nn.Module, loss_fn: Callable,
+                     batches: Sequence, found: dict[str, Symmetries]) -> Measure:
+    """`measure` with the model's symmetries given: discovered on the first call for its
+    `symmetry`, then reused from `found` (one discovery per model and symmetry in a sweep)."""
+    g = getattr(measure, "geometry", None)
+    if (not isinstance(g, Geometry) or g.metric is None or g.blocks is not None
+            or g.symmetries is not None or g.declared):
+        return measure
+    if g.symmetry not in found:
+        found[g.symmetry] = symmetries_of(model, loss_fn, batches, geometry=g)
+    return dataclasses.replace(measure, geometry=g.replace(symmetries=found[g.symmetry]))
+
+
 def _run_measure(measure: Any, model: nn.Module, loss_fn: Callable, batches: Sequence, *,
-                 rho: float, n_iter: int, seed: int, params: ParamSelection) -> Any:
+                 rho: float, n_iter: int, seed: int, params: ParamSelection,
+                 found: dict[str, Symmetries] | None = None) -> Any:
     """`measure.run(...)` on the weights selected by `params` (None: those with
-    `requires_grad`)."""
+    `requires_grad`); with `found`, the symmetries are discovered once per symmetry."""
+    if found is not None:
+        measure = _discovered_once(measure, model, loss_fn, batches, found)
     return measure.run(model, loss_fn, batches, rho=rho, n_iter=n_iter, seed=seed,
                        params=params)
 
@@ -392,6 +413,7 @@ def calibrate_rho(
         `{family: {"rho": ρ*, "trace": [[ρ, increase], ...]}}`.
     """
     table = _measure_table()
+    found: dict[str, Symmetries] = {}
     start = dict(start or {"adaptive": 0.1, "inv": 0.01, "mix": 0.01})
     grid = list(RHO_CANDIDATES)
     out = {}
@@ -402,7 +424,7 @@ def calibrate_rho(
         def inc(k, name=name, trace=trace):
             if k not in trace:
                 res = _run_measure(table[name], model, loss_fn, batches, rho=grid[k],
-                                   n_iter=n_iter, seed=seed, params=params)
+                                   n_iter=n_iter, seed=seed, params=params, found=found)
                 trace[k] = float(res.value)
             return trace[k]
 
@@ -460,6 +482,7 @@ def measure_sweep(
     m64: nn.Module | None = None
     data64: list = []
     unavailable = []
+    found: dict[str, Symmetries] = {}  # the same names and structure in m and m64
     for name in names:
         tname, fam = SWEEP_MEASURES[name]
         if tname not in table:
@@ -479,7 +502,7 @@ def measure_sweep(
             try:
                 try:
                     res = _run_measure(measure, m, loss_fn, data, rho=r_call, n_iter=n_iter,
-                                       seed=seed, params=params)
+                                       seed=seed, params=params, found=found)
                 except (QuotientManifoldError, RuntimeError) as e:
                     # Gaussian samples of the average case have failed on float32 models
                     # (float32 draws against float64 factors): one retry on a float64 copy
@@ -489,7 +512,7 @@ def measure_sweep(
                         m64 = copy.deepcopy(model).double()
                         data64 = [_to64(b) for b in batches]
                     res = _run_measure(measure, m64, loss_fn, data64, rho=r_call,
-                                       n_iter=n_iter, seed=seed, params=params)
+                                       n_iter=n_iter, seed=seed, params=params, found=found)
                     values.setdefault("_float64_retry", {})[name] = f"{type(e).__name__}: {e}"
                 val = float(res.value)
                 values.setdefault("_norms", {}).setdefault(name, {})[key] = res.norms

@@ -608,6 +608,40 @@ def _default_inputs(model: nn.Module, generator: torch.Generator) -> tuple[tuple
         return None
 
 
+#: Rows of the example input (along dim 0) on which folds are probed: the forward passes of
+#: the probes are the cost of discovery under the full group, and a random group element
+#: that is not a symmetry changes the output of every row.
+PROBE_ROWS = 2
+
+
+def _leading(tree) -> int | None:
+    """Dim-0 size of the first tensor (of dim ≥ 1) in `tree`, or None."""
+    if isinstance(tree, torch.Tensor):
+        return int(tree.shape[0]) if tree.dim() else None
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(
+        tree, (tuple, list)) else ()
+    for x in items:
+        n = _leading(x)
+        if n is not None:
+            return n
+    return None
+
+
+def _first_rows(tree, rows: int, batch: int | None = None):
+    """`tree` with every tensor whose dim 0 has the batch size (that of the first tensor, or
+    `batch`) cut to its first `rows` rows."""
+    batch = _leading(tree) if batch is None else batch
+    if batch is None or batch <= rows:
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return tree[:rows] if tree.dim() and tree.shape[0] == batch else tree
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_first_rows(x, rows, batch) for x in tree)
+    if isinstance(tree, dict):
+        return {k: _first_rows(x, rows, batch) for k, x in tree.items()}
+    return tree
+
+
 class _Prober:
     """A float64 copy of a model, one traced forward pass, and function-preservation probes."""
 
@@ -621,7 +655,6 @@ class _Prober:
                 kwargs.setdefault("use_cache", False)
         except (TypeError, ValueError):
             pass
-        self.args, self.kwargs = tuple(args), kwargs
         self.gen = torch.Generator().manual_seed(seed)
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self.users: dict[int, int] = {}
@@ -632,8 +665,18 @@ class _Prober:
         self.buffers = {n: b.detach() for n, b in self.model.named_buffers()}
         self.modules = dict(self.model.named_modules())
         self.calls: list[tuple[str, tuple, dict, object]] = []
-        with torch.no_grad():
-            self.ref = self._trace()
+        batch = _leading((tuple(args), kwargs))
+        self.args = _first_rows(tuple(args), PROBE_ROWS, batch)
+        self.kwargs = _first_rows(kwargs, PROBE_ROWS, batch)
+        try:
+            with torch.no_grad():
+                self.ref = self._trace()
+        except Exception:  # noqa: BLE001 -- dim 0 was not a batch dimension: the whole input
+            if batch is None or batch <= PROBE_ROWS:
+                raise
+            self.args, self.kwargs, self.calls = tuple(args), kwargs, []
+            with torch.no_grad():
+                self.ref = self._trace()
 
     def pname(self, p) -> str | None:
         return None if p is None else self.names.get(id(p))

@@ -13,9 +13,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..manifolds.base import RETRACTIONS
+
+if TYPE_CHECKING:
+    from .discovery import Symmetries
 
 __all__ = ["Geometry", "METRICS", "SYMMETRIES", "BALLS", "HALF"]
 
@@ -63,6 +66,12 @@ class Geometry:
     half : {"error", "float32"}
         A float16/bfloat16 model raises `PrecisionError` (`"error"`), or runs its forward in its
         dtype with the geometry in float32 (`"float32"`).
+    symmetries : Symmetries, optional
+        Use these symmetries instead of discovering them: those of
+        [`discover`][quotient_manifolds.models.discover] or
+        [`symmetries_of`][quotient_manifolds.sharpness.engine.symmetries_of] for the same
+        model and `symmetry`. Discovery probes the model, so a sweep over radii or measures
+        discovers once and passes the result here. Ignored when `blocks` is given.
     """
 
     metric: str | None = "inv"
@@ -76,6 +85,7 @@ class Geometry:
     blocks: tuple | None = None
     declared: tuple = field(default=())
     half: str = "error"
+    symmetries: Symmetries | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         def check(name, value, allowed):
@@ -102,6 +112,15 @@ class Geometry:
         object.__setattr__(self, "eps", float(self.eps))
         object.__setattr__(self, "adaptive_eps", float(self.adaptive_eps))
         object.__setattr__(self, "exact_steps", int(self.exact_steps))
+        sym = self.symmetries
+        if sym is not None:
+            if not hasattr(sym, "canonicalize"):
+                raise TypeError(f"symmetries must be a Symmetries (from discover), got {sym!r}")
+            if self.metric is not None and sym.symmetry != self.symmetry:
+                raise ValueError(
+                    f"the symmetries were discovered with symmetry={sym.symmetry!r} but the "
+                    f"geometry has symmetry={self.symmetry!r}; discover them with "
+                    f"symmetry={self.symmetry!r}")
         if self.blocks is not None:
             object.__setattr__(self, "blocks", tuple(self.blocks))
         object.__setattr__(self, "declared", tuple(self.declared))
@@ -115,6 +134,10 @@ class Geometry:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["blocks"] = None if self.blocks is None else [b.describe() for b in self.blocks]
         out["declared"] = [b.describe() for b in self.declared]
+        sym = out.pop("symmetries")
+        if sym is not None:  # given, not discovered (absent otherwise: protocol hashes)
+            out["symmetries"] = {"given": True, "symmetry": sym.symmetry,
+                                 "blocks": len(sym.blocks), "folds": len(sym.folds)}
         if self.retraction != "exact" and self.adaptive_retraction != "exact":
             out.pop("exact_steps")
         return out
@@ -122,5 +145,5 @@ class Geometry:
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> Geometry:
         """The geometry of a settings dict (as written by `settings`, without blocks)."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"blocks", "declared"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"blocks", "declared", "symmetries"}
         return cls(**{k: v for k, v in settings.items() if k in names})

@@ -178,8 +178,8 @@ class ModelGeometry:
         ([`select_parameters`][quotient_manifolds.models.model_geometry.select_parameters];
         default: those with `requires_grad=True`).
     symmetries : Symmetries, optional
-        The model's symmetries, e.g. from `discover(model)`; discovered when omitted (ignored
-        if `geometry.blocks` is given).
+        The model's symmetries, e.g. from `discover(model)`; default `geometry.symmetries`,
+        discovered when both are None (ignored if `geometry.blocks` is given).
     warn : bool
         Emit the discovery warnings.
     example_inputs : optional
@@ -234,6 +234,8 @@ class ModelGeometry:
                                           for b in list(g.blocks) + list(g.declared)))
         elif symmetries is not None:
             sym = symmetries
+        elif g.symmetries is not None:
+            sym = g.symmetries
         else:
             sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn,
                            example_inputs=example_inputs)

@@ -7,7 +7,7 @@ only through the tangent spaces ``M.at(x0)`` of the manifolds.
 from .apgd import APGDResult, apgd, checkpoints
 from .diagonal import diagonal_sharpness
 from .distributed import Shard
-from .engine import adaptive_sharpness, geodesic_sharpness
+from .engine import adaptive_sharpness, geodesic_sharpness, symmetries_of
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
 from .measures import MEASURES, Measure, measure
 from .result import SharpnessResult
@@ -37,4 +37,5 @@ __all__ = [
     "geodesic_sharpness",
     "make_feasible",
     "measure",
+    "symmetries_of",
 ]

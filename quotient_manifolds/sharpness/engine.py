@@ -39,14 +39,14 @@ from ..errors import (
     NonFiniteError,
     SingleBatchError,
 )
-from ..models import Geometry, ModelGeometry
+from ..models import Geometry, ModelGeometry, Symmetries, discover
 from ..models.model_geometry import ParamSelection, RowLayout
 from .distributed import Evaluator, Shard, resolve_shard
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
 from .result import SharpnessResult
 from .solvers import APGD, Average, GeooptSolver
 
-__all__ = ["geodesic_sharpness", "adaptive_sharpness", "LossFn", "Solver"]
+__all__ = ["geodesic_sharpness", "adaptive_sharpness", "symmetries_of", "LossFn", "Solver"]
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
 Solver = APGD | Average | GeooptSolver
@@ -291,8 +291,12 @@ def _first_call(model: nn.Module, loss_fn: LossFn, data: Iterable,
     stops at its first pre-hook, so nothing runs and nothing changes. `None` otherwise, or if
     the model is not called.
     """
-    if geometry.metric is None or geometry.blocks is not None:
+    if geometry.metric is None or geometry.blocks is not None or geometry.symmetries is not None:
         return None
+    return _capture_call(model, loss_fn, data)
+
+
+def _capture_call(model: nn.Module, loss_fn: LossFn, data: Iterable) -> tuple[tuple, dict] | None:
     if iter(data) is data:  # a one-shot iterator: its first batch must not be consumed here
         return None
     first = next(iter(data), None)
@@ -315,6 +319,26 @@ def _first_call(model: nn.Module, loss_fn: LossFn, data: Iterable,
     finally:
         handle.remove()
     return call[0] if call else None
+
+
+def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
+                  geometry: Geometry | None = None) -> Symmetries:
+    """The symmetries that `geodesic_sharpness(model, loss_fn, data, geometry=geometry)`
+    discovers: [`discover`][quotient_manifolds.models.discover] under `geometry.symmetry`
+    (with `geometry.declared`), probed on the model's inputs of the first batch of `data`.
+
+    Discovery runs the model (function-preservation probes), so a sweep over radii or
+    measures of one model discovers once and passes the result on::
+
+        sym = symmetries_of(model, loss_fn, data, geometry=g)
+        for rho in radii:
+            geodesic_sharpness(model, loss_fn, data, rho=rho,
+                               geometry=g.replace(symmetries=sym))
+    """
+    geometry = Geometry() if geometry is None else geometry
+    inputs = _capture_call(model, loss_fn, data) if data is not None else None
+    return discover(model, symmetry=geometry.symmetry, declared=geometry.declared,
+                    example_inputs=inputs)
 
 
 # -- driver -------------------------------------------------------------------------
