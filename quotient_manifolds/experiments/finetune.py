@@ -295,10 +295,10 @@ class FinetuneExperiment(PopulationExperiment):
     measurement settings below. The measurement protocol, fixed before any τ is computed:
 
     * members that did not meet the convergence rule are reported and not measured;
-    * the radius of each norm family (adaptive, inv, mix) is calibrated once, on the first
-      converged member, by
+    * the radius of each family (the worst case of the adaptive, inv and mix norms, and the
+      average case of each) is calibrated once, on the first converged member, by
       [`calibrate_rho`][quotient_manifolds.experiments.sharpness_suite.calibrate_rho]
-      (1-2-5 grid, worst-case loss increase closest to 0.1 nats), and cached;
+      (1-2-5 grid, loss increase closest to 0.1 nats), and cached;
     * every measure of `SWEEP_MEASURES` runs at the calibrated radius of its norm times
       `RHO_FACTORS` (1/3, 1, 3), headline at 1
       ([`measure_sweep`][quotient_manifolds.experiments.sharpness_suite.measure_sweep]).
@@ -355,7 +355,7 @@ class FinetuneExperiment(PopulationExperiment):
         return {"measures": {k: list(v) for k, v in SWEEP_MEASURES.items()},
                 "calibration": {"measures": CALIBRATION_MEASURES, "target": CALIBRATION_TARGET,
                                 "grid": list(RHO_CANDIDATES), "member": "first converged"},
-                "factors": list(RHO_FACTORS), "average_rho": "rho/sqrt(D)",
+                "factors": list(RHO_FACTORS), "average_rho": "rho (per direction, calibrated)",
                 "n_iter": self.quick_n_iter if quick else self.n_iter, "seed": self.seed,
                 "dtype": "float64" if self.float64 else "float32",
                 "batches": self.batches_doc(quick), "params": self.params_doc}

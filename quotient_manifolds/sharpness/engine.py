@@ -328,12 +328,13 @@ def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
     (with `geometry.declared`), probed on the model's inputs of the first batch of `data`.
 
     Discovery runs the model (function-preservation probes), so a sweep over radii or
-    measures of one model discovers once and passes the result on::
+    measures of one model discovers once and passes the result on:
 
-        sym = symmetries_of(model, loss_fn, data, geometry=g)
-        for rho in radii:
-            geodesic_sharpness(model, loss_fn, data, rho=rho,
-                               geometry=g.replace(symmetries=sym))
+    ```python
+    sym = symmetries_of(model, loss_fn, data, geometry=g)
+    for rho in radii:
+        geodesic_sharpness(model, loss_fn, data, rho=rho, geometry=g.replace(symmetries=sym))
+    ```
     """
     geometry = Geometry() if geometry is None else geometry
     inputs = _capture_call(model, loss_fn, data) if data is not None else None
