@@ -282,7 +282,9 @@ class _FakeMeasure:
 def fake_table(monkeypatch):
     table = {"adaptive": _FakeMeasure(0.1), "geodesic-inv": _FakeMeasure(10.0),
              "geodesic-mix": _FakeMeasure(1000.0), "adaptive-metric": _FakeMeasure(0.1),
-             "geodesic-inv-average": _FakeMeasure(10.0, "average")}
+             "adaptive-average": _FakeMeasure(0.001, "average"),
+             "geodesic-inv-average": _FakeMeasure(2.5, "average"),
+             "geodesic-mix-average": _FakeMeasure(1000.0, "average")}
     monkeypatch.setattr(suite, "_measure_table", lambda: table)
     return table
 
@@ -294,6 +296,10 @@ def test_calibration_rule_on_the_grid(fake_table):
     assert cal["adaptive"]["rho"] == pytest.approx(1.0)
     assert cal["inv"]["rho"] == pytest.approx(0.1)
     assert cal["mix"]["rho"] == pytest.approx(0.01)
+    # the average case is calibrated on its own, by the same rule (0.1 = c ρ² at ρ = 10, 0.2)
+    assert cal["adaptive_average"]["rho"] == pytest.approx(10.0)
+    assert cal["inv_average"]["rho"] == pytest.approx(0.2)
+    assert cal["mix_average"]["rho"] == pytest.approx(0.01)
     for c in cal.values():
         vals = dict(c["trace"])
         below = [r for r, v in vals.items() if v < 0.1]
@@ -303,14 +309,17 @@ def test_calibration_rule_on_the_grid(fake_table):
     assert radii["inv"] == pytest.approx([0.1 / 3, 0.1, 0.3])
 
 
-def test_measure_sweep_caches_resumes_and_scales_the_average_radius(fake_table):
-    model = torch.nn.Linear(4, 2)  # D = 10 weights
-    radii = {"adaptive": [0.5, 1.0], "inv": [0.1], "mix": [0.01]}
+def test_measure_sweep_caches_resumes_and_uses_each_family_radius(fake_table):
+    model = torch.nn.Linear(4, 2)
+    radii = {"adaptive": [0.5, 1.0], "inv": [0.1], "mix": [0.01], "adaptive_average": [3.0],
+             "inv_average": [0.2, 0.4], "mix_average": [0.003]}
     saved = []
     v = suite.measure_sweep(model, None, [None], radii=radii, n_iter=1, seed=0, cached={},
                             save=lambda d: saved.append(json.loads(json.dumps(d))))
     assert v["adaptive"] == {"0.5": pytest.approx(0.025), "1.0": pytest.approx(0.1)}
-    assert fake_table["geodesic-inv-average"].calls == [pytest.approx(0.1 / math.sqrt(10))]
+    # the average case at its own radii, called with them (the standard deviation per direction)
+    assert fake_table["geodesic-inv-average"].calls == [0.2, 0.4]
+    assert v["geodesic_inv_average"] == {"0.2": pytest.approx(0.1), "0.4": pytest.approx(0.4)}
     assert v["_norms"]["geodesic_inv"]["0.1"][0]["blocks"] == pytest.approx(0.06)
     assert suite.block_fraction(v["_norms"]["geodesic_inv"]["0.1"]) == pytest.approx(0.36)
     assert "geodesic-inv-full" in v["_unavailable"] and "geodesic_inv_full" not in v
@@ -454,9 +463,10 @@ def test_average_case_retries_on_a_float64_copy(fake_table):
     fake_table["geodesic-inv-average"] = Picky(10.0, "average")
     model = torch.nn.Linear(4, 2).float()
     v = suite.measure_sweep(model, None, [torch.ones(1, 4)], radii={"adaptive": [1.0],
-                            "inv": [0.1], "mix": [0.01]}, n_iter=1, seed=0, cached={},
-                            save=lambda d: None)
-    assert v["geodesic_inv_average"]["0.1"] == pytest.approx(10.0 * (0.1 / math.sqrt(10)) ** 2)
+                            "inv": [0.1], "mix": [0.01], "adaptive_average": [1.0],
+                            "inv_average": [0.1], "mix_average": [0.01]}, n_iter=1, seed=0,
+                            cached={}, save=lambda d: None)
+    assert v["geodesic_inv_average"]["0.1"] == pytest.approx(10.0 * 0.1**2)
     assert "Double" in v["_float64_retry"]["geodesic_inv_average"]
     assert next(model.parameters()).dtype == torch.float32  # the caller's model is untouched
 
