@@ -23,8 +23,8 @@ worst-case one. Results are keyed by the nominal ρ.
 
 **The ρ sweep of the fine-tuned populations**
 ([`measure_sweep`][quotient_manifolds.experiments.sharpness_suite.measure_sweep]) does not
-use ``ρ / √D``: on them (``D`` = 11 M and 0.14 M perturbed weights) the samples of that radius
-raised the loss by 1e-8 to 1e-5 nats, the size of the first-order sampling noise, and the
+use ``ρ / √D``: on them (``D`` = 10.6 M and 0.14 M perturbed weights) the samples of that radius
+changed the loss by at most 2e-5 nats, with both signs (first-order sampling noise), and the
 ranking of the members changed with the seed of the samples (Kendall τ between two seeds
 −0.29 to +0.30 on 10–12 members). There the average case is called with ρ itself, the standard
 deviation per direction (the reference convention ``δ = ρ |w| ⊙ N(0, I)``), and its ρ is
