@@ -624,7 +624,8 @@ def test_a_sweep_discovers_once_per_symmetry(monkeypatch):
         return real(m, fn, d, geometry=geometry)
 
     monkeypatch.setattr(suite, "symmetries_of", counted)
-    radii = {"adaptive": [0.1, 0.2], "inv": [0.05, 0.1], "mix": [0.05, 0.1]}
+    radii = {"adaptive": [0.1, 0.2], "inv": [0.05, 0.1], "mix": [0.05, 0.1],
+             "inv_average": [0.01]}
     names = ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_inv_full",
              "geodesic_mix_full", "geodesic_inv_full_average")
     values = suite.measure_sweep(model, loss, data, radii=radii, n_iter=2, seed=0, cached={},
