@@ -72,7 +72,7 @@ def test_interrupt_resume_and_correlate(pop):
     out = d / "results.jsonl"
     # 1. Ctrl-C in the middle: finished lines stay, the process says how to resume
     p = _cli(d, *SHARP, "--measures", "geodesic-inv-full", "--out", "results.jsonl", *ckpts,
-             env={"POP_SLOW": "0.4"})
+             env={"POP_SLOW": "1.0"})
     t0 = time.time()
     while (not out.exists() or not out.read_bytes().count(b"\n")) and time.time() - t0 < 90:
         time.sleep(0.05)
@@ -132,7 +132,7 @@ def test_kill_leaves_valid_jsonl(pop):
     d, ckpts = pop
     out = d / "r.jsonl"
     p = _cli(d, *SHARP, "--measures", "adaptive", "--out", "r.jsonl", *ckpts,
-             env={"POP_SLOW": "0.4"})
+             env={"POP_SLOW": "1.0"})
     t0 = time.time()
     while (not out.exists() or out.read_bytes().count(b"\n") < 2) and time.time() - t0 < 90:
         time.sleep(0.02)
