@@ -394,13 +394,6 @@ def _run_measure(measure: Any, model: nn.Module, loss_fn: Callable, batches: Seq
                        params=params)
 
 
-def perturbed_count(model: nn.Module, params: ParamSelection) -> int:
-    """Number of weights a measure perturbs under the selection `params` (a predicate)."""
-    if params is None:
-        return sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return sum(p.numel() for n, p in model.named_parameters() if params(n, p))
-
-
 def calibrate_rho(
     model: nn.Module,
     loss_fn: Callable,

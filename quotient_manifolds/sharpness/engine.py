@@ -337,9 +337,8 @@ def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
     ```
     """
     geometry = Geometry() if geometry is None else geometry
-    inputs = _capture_call(model, loss_fn, data) if data is not None else None
     return discover(model, symmetry=geometry.symmetry, declared=geometry.declared,
-                    example_inputs=inputs)
+                    example_inputs=_capture_call(model, loss_fn, data))
 
 
 # -- driver -------------------------------------------------------------------------
