@@ -37,7 +37,6 @@ from .manifolds import AdaptiveEuclidean, DiagonalQuotient, GLQuotient, Quotient
 from .models import (
     BlockSpec,
     FactorPart,
-    Geometry,
     ModelGeometry,
     Symmetries,
     declare_block,
@@ -49,6 +48,7 @@ from .sharpness import (
     APGD,
     MEASURES,
     Average,
+    Geometry,
     GeooptSolver,
     Measure,
     Shard,

@@ -64,7 +64,8 @@ import torch
 from torch import nn
 
 from ..errors import QuotientManifoldError
-from ..models import Geometry, Symmetries
+from ..models import Symmetries
+from ..sharpness.config import Geometry
 from ..sharpness.engine import symmetries_of
 from ..sharpness.measures import Measure, measure
 

@@ -11,7 +11,7 @@ from ..geometry import gl, subgroup
 from ..geometry.linalg import GRAM_DTYPE, transpose
 from .base import QuotientManifold, TangentSpace, assert_broadcastable
 
-__all__ = ["GLQuotient", "GLTangentSpace"]
+__all__ = ["GLQuotient", "GLTangentSpace", "group_action"]
 
 #: relative residual at which the conjugate-gradient solve of `proju_weighted` stops
 CG_TOL = 1e-12
@@ -22,6 +22,20 @@ def _join(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     a = a.expand(*batch, *a.shape[-2:])
     b = b.expand(*batch, *b.shape[-2:])
     return torch.cat([a, b], dim=-2).to(dtype)
+
+
+def group_action(x: torch.Tensor, g: torch.Tensor, n: int, *, one_sided: bool = False
+                 ) -> torch.Tensor:
+    r"""The GL(h) action $(G, H) \mapsto (G g^{-1}, H g^\top)$ on packed points `[G; H]`.
+
+    `x` is `(..., n + m, h)` with $G$ its first `n` rows, `g` is `(..., h, h)` (invertible,
+    broadcast against the batch). With `one_sided=True` only $G \mapsto G g^{-1}$: not a
+    symmetry, the control of a function-preservation probe.
+    """
+    G, H = x[..., :n, :], x[..., n:, :]
+    g = g.to(x.dtype)
+    G_new = transpose(torch.linalg.solve(transpose(g), transpose(G)))  # G g⁻¹
+    return _join(G_new, H if one_sided else H @ transpose(g), x.dtype)
 
 
 class GLTangentSpace(TangentSpace):
@@ -408,10 +422,7 @@ class GLQuotient(QuotientManifold):
 
     def act(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         r"""Group action ``(G g⁻¹, H gᵀ)``; linear, so it also maps tangent vectors."""
-        G, H = self.split(x)
-        g = g.to(x.dtype)
-        G_new = transpose(torch.linalg.solve(transpose(g), transpose(G)))  # G g⁻¹
-        return self._join(G_new, H @ transpose(g), x.dtype)
+        return group_action(x, g, self.n)
 
     def invariant(self, x: torch.Tensor) -> torch.Tensor:
         """``G Hᵀ``, the only thing the network sees."""

@@ -4,10 +4,11 @@ Imports only from `quotient_manifolds.manifolds`, ``geometry`` and ``errors``.
 """
 
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block
-from .config import Geometry
-from .discovery import Fallback, Symmetries, discover, discover_blocks, rope_pairs
+from .config import QuotientConfig
+from .discovery import discover, discover_blocks, rope_pairs
 from .model_geometry import ModelGeometry, select_parameters
-from .probe import ProbeRecord, example_inputs
+from .probe import example_inputs
+from .records import Fallback, ProbeRecord, Symmetries
 from .reparam import reparametrize
 
 __all__ = [
@@ -15,9 +16,9 @@ __all__ = [
     "BlockSpec",
     "FactorPart",
     "Fallback",
-    "Geometry",
     "ModelGeometry",
     "ProbeRecord",
+    "QuotientConfig",
     "Symmetries",
     "declare_block",
     "discover",

@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 
 from ..errors import BlockSpecError
-from ..geometry.subgroup import Subalgebra
+from ..manifolds import Subalgebra
 
 __all__ = [
     "KINDS",

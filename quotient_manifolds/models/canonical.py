@@ -38,7 +38,6 @@ from torch import nn
 
 from .blocks import BlockSpec, FactorPart, claimed_mask, gather_block, scatter_block
 from .probe import (
-    PROBE_RTOL,
     _cast_tree,
     _device,
     _no_fastpath,
@@ -47,6 +46,7 @@ from .probe import (
     float64_internals,
     normalize_inputs,
 )
+from .records import PROBE_RTOL, Fallback
 
 __all__ = [
     "PROBE_RTOL",
@@ -946,9 +946,7 @@ def _qk_candidates(p: _Prober, name: str, attn: nn.Module) -> list[QKNormScaleFo
     return out
 
 
-def _fallback(module: str, kind: str, reason: str):
-    from .discovery import Fallback  # discovery imports this module: import lazily
-
+def _fallback(module: str, kind: str, reason: str) -> Fallback:
     return Fallback(module, kind, reason)
 
 

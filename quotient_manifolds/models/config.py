@@ -1,11 +1,11 @@
-r"""The geometry of a sharpness measure as one frozen configuration.
+r"""What a model's quotient geometry is, as one frozen configuration.
 
-A [`Geometry`][quotient_manifolds.models.config.Geometry] says which quotient the weights live
-in (the metric of the GL blocks, which symmetries), how perturbations move them (the
-retractions) and which ball bounds the perturbation. Together with a solver
-([`APGD`][quotient_manifolds.sharpness.solvers.APGD],
-[`Average`][quotient_manifolds.sharpness.solvers.Average], …) it defines a measure; the named
-measures are in [`MEASURES`][quotient_manifolds.sharpness.measures.MEASURES].
+A [`QuotientConfig`][quotient_manifolds.models.config.QuotientConfig] says which quotient the
+weights live in (the metric of the GL blocks, which symmetries) and how perturbations move them
+(the retractions, the relaxations $\varepsilon$). It is everything
+[`ModelGeometry`][quotient_manifolds.models.model_geometry.ModelGeometry] needs. A sharpness
+measure adds its feasible set: [`Geometry`][quotient_manifolds.sharpness.config.Geometry]
+extends this configuration by the ball.
 """
 
 from __future__ import annotations
@@ -13,24 +13,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..manifolds.base import RETRACTIONS
+from ..manifolds import RETRACTIONS
+from .records import SYMMETRIES, Symmetries
 
-if TYPE_CHECKING:
-    from .discovery import Symmetries
-
-__all__ = ["Geometry", "METRICS", "SYMMETRIES", "BALLS", "HALF"]
+__all__ = ["QuotientConfig", "METRICS", "HALF"]
 
 METRICS = ("inv", "mix", None)
-SYMMETRIES = ("full", "paper")
-BALLS = ("metric", "adaptive", "ellipsoid", "box")
 HALF = ("error", "float32")
 
 
+def check_choice(name: str, value: object, allowed: tuple) -> None:
+    """Raise `ValueError` unless `value` is one of `allowed`."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+
+
 @dataclass(frozen=True)
-class Geometry:
-    r"""Quotient geometry, perturbation and ball of a sharpness measure.
+class QuotientConfig:
+    r"""The quotient geometry of a model: metric, symmetries, retractions, relaxations.
 
     Attributes
     ----------
@@ -51,11 +53,6 @@ class Geometry:
         move and are excluded.
     adaptive_retraction : {"first_order", "second_order", "exact"}
         How the other weights are perturbed ($w + \xi$ in the paper).
-    ball : {"metric", "adaptive", "ellipsoid", "box"}
-        The feasible set ([`feasible`][quotient_manifolds.sharpness.feasible]): the metric ball
-        $\|\xi\|_w \le \rho$ (App. C); the adaptive-norm ball $\|\xi \oslash c\|_2 \le \rho$ with
-        $\xi$ horizontal (App. G ablation (a)); the reference ℓ2 ellipsoid or ℓ∞ box of adaptive
-        sharpness (Eq. 1; `metric=None` only).
     exact_steps : int
         RK4 steps of `retraction="exact"`.
     blocks : tuple of BlockSpec, optional
@@ -80,7 +77,6 @@ class Geometry:
     eps: float = 0.0
     adaptive_eps: float = 0.0
     adaptive_retraction: str = "first_order"
-    ball: str = "metric"
     exact_steps: int = 8
     blocks: tuple | None = None
     declared: tuple = field(default=())
@@ -88,33 +84,22 @@ class Geometry:
     symmetries: Symmetries | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        def check(name, value, allowed):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-
-        check("metric", self.metric, METRICS)
-        check("symmetry", self.symmetry, SYMMETRIES)
-        check("retraction", self.retraction, RETRACTIONS)
-        check("adaptive_retraction", self.adaptive_retraction, RETRACTIONS)
-        check("ball", self.ball, BALLS)
-        check("half", self.half, HALF)
+        check_choice("metric", self.metric, METRICS)
+        check_choice("symmetry", self.symmetry, SYMMETRIES)
+        check_choice("retraction", self.retraction, RETRACTIONS)
+        check_choice("adaptive_retraction", self.adaptive_retraction, RETRACTIONS)
+        check_choice("half", self.half, HALF)
         if self.eps < 0 or self.adaptive_eps < 0:
             raise ValueError("eps and adaptive_eps must be non-negative, got "
                              f"{self.eps} and {self.adaptive_eps}")
         if int(self.exact_steps) < 1:
             raise ValueError(f"exact_steps must be a positive integer, got {self.exact_steps}")
-        if self.ball in ("ellipsoid", "box") and self.metric is not None:
-            raise ValueError(
-                f"ball={self.ball!r} is the reference adaptive-sharpness algorithm, which has no "
-                "horizontal constraint; use it with metric=None, or use ball='metric' or "
-                "'adaptive' with GL blocks"
-            )
         object.__setattr__(self, "eps", float(self.eps))
         object.__setattr__(self, "adaptive_eps", float(self.adaptive_eps))
         object.__setattr__(self, "exact_steps", int(self.exact_steps))
         sym = self.symmetries
         if sym is not None:
-            if not hasattr(sym, "canonicalize"):
+            if not isinstance(sym, Symmetries):
                 raise TypeError(f"symmetries must be a Symmetries (from discover), got {sym!r}")
             if self.metric is not None and sym.symmetry != self.symmetry:
                 raise ValueError(
@@ -125,7 +110,7 @@ class Geometry:
             object.__setattr__(self, "blocks", tuple(self.blocks))
         object.__setattr__(self, "declared", tuple(self.declared))
 
-    def replace(self, **changes: Any) -> Geometry:
+    def replace(self, **changes: Any) -> QuotientConfig:
         """A copy with `changes` applied (validated)."""
         return dataclasses.replace(self, **changes)
 
@@ -143,7 +128,7 @@ class Geometry:
         return out
 
     @classmethod
-    def from_settings(cls, settings: Mapping[str, Any]) -> Geometry:
-        """The geometry of a settings dict (as written by `settings`, without blocks)."""
+    def from_settings(cls, settings: Mapping[str, Any]) -> QuotientConfig:
+        """The configuration of a settings dict (as written by `settings`, without blocks)."""
         names = {f.name for f in dataclasses.fields(cls)} - {"blocks", "declared", "symmetries"}
         return cls(**{k: v for k, v in settings.items() if k in names})

@@ -33,7 +33,7 @@ With `symmetry="full"` (the default) discovery also claims
 `symmetry="paper"` claims GL(h) per recognised head only, with the bias rows appended (the
 paper's measure); rotary and grouped heads then fall back.
 
-What does not get a block (recorded as a [Fallback][quotient_manifolds.models.discovery.Fallback]
+What does not get a block (recorded as a [Fallback][quotient_manifolds.models.records.Fallback]
 with the reason, and warned about once per module): q/k normalisation (its Q/K keeps only
 gain exchanges and orthogonal maps), a norm or gate between the attention output and the output
 projection (no V/O block), channel attention (XCiT), projections wrapped by LoRA adapters (the
@@ -52,16 +52,18 @@ import re
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 
 from ..errors import BlockSpecError, NoBlocksWarning, ProbeWarning, SymmetryFallbackWarning
-from ..geometry.subgroup import RotaryCommutant
+from ..manifolds import RotaryCommutant
 from .blocks import BlockSpec, FactorPart
-from .probe import ProbeRecord, normalize_inputs, probe_blocks
+from .canonical import find_folds
+from .probe import normalize_inputs, probe_blocks
+from .records import SYMMETRIES, Fallback, ProbeRecord, Symmetries
 
 __all__ = [
     "SYMMETRIES",
@@ -72,86 +74,6 @@ __all__ = [
     "rope_pairs",
     "strip_frozen",
 ]
-
-SYMMETRIES = ("full", "paper")
-
-
-@dataclass(frozen=True)
-class Fallback:
-    """Weights of a module that get no symmetry block, and why (they use the adaptive
-    geometry)."""
-
-    module: str
-    kind: str
-    reason: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class Symmetries:
-    """Everything discovery claims about a model.
-
-    Attributes
-    ----------
-    blocks : tuple of BlockSpec
-        The verified blocks (resolved), frozen factor parts removed.
-    fallbacks : tuple of Fallback
-        Modules (or parts of modules) without a block, with the reason.
-    folds : tuple of Fold
-        Canonicalisation steps (`symmetry="full"` only), applied in order by
-        `canonicalize`.
-    probes : tuple of ProbeRecord
-        The function-preservation probe of every claim that could be probed (including the
-        rejected ones).
-    symmetry : str
-        `"full"` or `"paper"`.
-    discovered : tuple of BlockSpec
-        The verified blocks before the frozen parts were removed (bias rows included): what
-        `find_folds` (`models/canonical.py`) and the mapping checks
-        read. Equal to `blocks` when there are no folds.
-    """
-
-    blocks: tuple[BlockSpec, ...]
-    fallbacks: tuple[Fallback, ...] = ()
-    folds: tuple = ()
-    probes: tuple[ProbeRecord, ...] = ()
-    symmetry: str = "full"
-    discovered: tuple[BlockSpec, ...] = ()
-
-    def canonicalize(
-        self, params: Mapping[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The canonical representative of `params` and the frozen entries.
-
-        Applies every fold in order. Pure: `params` and the model are not touched.
-
-        Returns
-        -------
-        tuple of dict
-            `(canonical params, {name: bool mask of the entries fixed at their canonical
-            value})`; parameters no fold touches are passed through unchanged.
-        """
-        out = dict(params)
-        frozen: dict[str, torch.Tensor] = {}
-        for fold in self.folds:
-            new, masks = fold.apply(out)
-            out = {**out, **new}
-            for name, m in masks.items():
-                frozen[name] = m if name not in frozen else frozen[name] | m
-        return out, frozen
-
-    def to_dict(self) -> dict:
-        """A JSON-friendly summary."""
-        return {
-            "symmetry": self.symmetry,
-            "blocks": [b.describe() for b in self.blocks],
-            "fallbacks": [f.to_dict() for f in self.fallbacks],
-            "folds": [getattr(f, "kind", type(f).__name__) for f in self.folds],
-            "probes": [p.to_dict() for p in self.probes],
-        }
-
 
 def rope_pairs(h: int, rotary_dim: int | None = None, *, interleaved: bool = False
                ) -> tuple[tuple[int, int], ...]:
@@ -898,8 +820,6 @@ def discover(
     fallbacks = list(f.fallbacks)
     folds: list = []
     if symmetry == "full":
-        from .canonical import find_folds  # canonical may import this module
-
         inputs = None if example_inputs is None else normalize_inputs(example_inputs)
         try:
             folds, fold_fallbacks = find_folds(model, blocks, example_inputs=inputs)

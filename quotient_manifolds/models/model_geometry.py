@@ -54,8 +54,9 @@ from ..manifolds import AdaptiveEuclidean, GLQuotient
 from ..manifolds.gl_quotient import GLTangentSpace
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
-from .config import Geometry
-from .discovery import Fallback, Symmetries, discover
+from .config import QuotientConfig
+from .discovery import discover
+from .records import Fallback, Symmetries
 
 __all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "RowLayout", "HALF_DTYPES",
            "ParamSelection", "select_parameters"]
@@ -171,8 +172,10 @@ class ModelGeometry:
     ----------
     model : nn.Module
         The model; only read (its parameters are detached, not copied).
-    geometry : Geometry
-        Metric, symmetries, retractions, relaxations and ball.
+    geometry : QuotientConfig
+        Metric, symmetries, retractions and relaxations (a sharpness
+        [`Geometry`][quotient_manifolds.sharpness.config.Geometry] is one; its ball is not
+        read here).
     params : names, tensors, dict or predicate, optional
         The perturbed parameters
         ([`select_parameters`][quotient_manifolds.models.model_geometry.select_parameters];
@@ -202,17 +205,17 @@ class ModelGeometry:
     def __init__(
         self,
         model: nn.Module,
-        geometry: Geometry | None = None,
+        geometry: QuotientConfig | None = None,
         *,
         params: ParamSelection = None,
         symmetries: Symmetries | None = None,
         warn: bool = True,
         example_inputs: Any = None,
     ) -> None:
-        geometry = Geometry() if geometry is None else geometry
-        if not isinstance(geometry, Geometry):
-            raise TypeError(f"geometry must be a Geometry, got {geometry!r}; e.g. "
-                            f"ModelGeometry(model, Geometry(metric={geometry!r}))")
+        geometry = QuotientConfig() if geometry is None else geometry
+        if not isinstance(geometry, QuotientConfig):
+            raise TypeError(f"geometry must be a Geometry or QuotientConfig, got {geometry!r}; "
+                            f"e.g. ModelGeometry(model, Geometry(metric={geometry!r}))")
         self.geometry = g = geometry
         self.selected = select_parameters(model, params)
         raw = {n: p.detach() for n, p in model.named_parameters()}

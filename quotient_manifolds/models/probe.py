@@ -32,7 +32,6 @@ import copy
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from typing import Any, cast
 
 import torch
@@ -41,9 +40,9 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
 from ..errors import ExampleInputError
-from ..geometry.linalg import transpose
-from ..geometry.subgroup import Subalgebra
+from ..manifolds import Subalgebra, group_action
 from .blocks import BlockSpec, gather_block, scatter_block
+from .records import PROBE_EXCITATION, PROBE_RTOL, ProbeRecord
 
 __all__ = [
     "PROBE_RTOL",
@@ -61,59 +60,12 @@ __all__ = [
     "normalize_inputs",
 ]
 
-PROBE_RTOL = 1e-10
-"""Largest relative output change a symmetric transformation may cause."""
-
-PROBE_EXCITATION = 1e-3
-"""Smallest relative output change the non-symmetric control must cause."""
-
 _SCALES = (1.0, 8.0, 64.0, 1 / 8, 1 / 64)
 _RATIO = 1e-4  # a symmetric change must move the output 10⁴ times less than the control
 _HIDDEN_NAMES = frozenset({
     "hidden_states", "hidden_state", "encoder_hidden_states", "key_value_states", "x",
     "query", "key", "value", "input", "inputs", "src", "tgt", "memory",
 })
-
-
-@dataclass(frozen=True)
-class ProbeRecord:
-    r"""The outcome of one block's function-preservation probe.
-
-    Attributes
-    ----------
-    module, kind : str
-        The block's module path and kind.
-    probed : str
-        The module that was re-run (the smallest one holding every parameter of the block).
-    error : float
-        Relative output change under a random element of the claimed group (`nan` if the
-        module could not be run).
-    control : float
-        Relative output change under the one-sided, non-symmetric change $G \mapsto G A^{-1}$.
-    scale : float
-        Factor by which the hidden-state inputs were scaled for the final measurement.
-    passed : bool
-        `error <= tolerance`, `control >= PROBE_EXCITATION` and `error <= 1e-4 control`.
-    reason : str
-        Why it failed (empty when it passed).
-    tolerance : float
-        `PROBE_RTOL` ($10^{-10}$) for a module that computes in float64 throughout; for one
-        that casts to a lower precision inside (e.g. a rotary embedding in float32), $100
-        \epsilon$ of that precision.
-    """
-
-    module: str
-    kind: str
-    probed: str
-    error: float
-    control: float
-    scale: float
-    passed: bool
-    reason: str = ""
-    tolerance: float = PROBE_RTOL
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 # -- example inputs ------------------------------------------------------------------------
@@ -527,12 +479,8 @@ def random_group_element(
 def _act(block: BlockSpec, params: Mapping[str, torch.Tensor], A: torch.Tensor,
          one_sided: bool) -> dict[str, torch.Tensor]:
     x = gather_block(block, params)
-    A = A.to(x)
-    G, H = x[:, : block.n], x[:, block.n:]
-    G2 = transpose(torch.linalg.solve(transpose(A), transpose(G)))  # G A⁻¹
-    H2 = H if one_sided else H @ transpose(A)
     out = dict(params)
-    scatter_block(block, torch.cat([G2, H2], dim=-2), out)
+    scatter_block(block, group_action(x, A.to(x), block.n, one_sided=one_sided), out)
     return out
 
 

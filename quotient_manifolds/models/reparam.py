@@ -25,10 +25,11 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..geometry.linalg import transpose
+from ..manifolds import group_action
 from .blocks import BlockSpec, gather_block, scatter_block
 from .canonical import Fold, ValueBiasFold, find_folds
-from .discovery import SYMMETRIES, discover
+from .discovery import discover
+from .records import SYMMETRIES
 
 __all__ = ["SYMMETRIES", "reparametrize", "transform_params"]
 
@@ -116,10 +117,7 @@ def transform_params(
     for b in _with_fold_rows(blocks, folds, cur):
         x = gather_block(b, cur).to(torch.float64)
         A = _gl_element(b, a, generator, x.device)
-        G, H = x[:, : b.n], x[:, b.n :]
-        G2 = transpose(torch.linalg.solve(transpose(A), transpose(G)))  # G A⁻¹
-        H2 = H @ transpose(A)  # H Aᵀ
-        scatter_block(b, torch.cat([G2, H2], dim=-2), cur)
+        scatter_block(b, group_action(x, A, b.n), cur)  # (G A⁻¹, H Aᵀ)
     for f in folds:
         cur = f.act(cur, generator, a)
     return {n: cur[n].to(params[n].dtype) for n in params}

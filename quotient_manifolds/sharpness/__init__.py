@@ -5,6 +5,7 @@ only through the tangent spaces ``M.at(x0)`` of the manifolds.
 """
 
 from .apgd import APGDResult, apgd, checkpoints
+from .config import Geometry
 from .diagonal import diagonal_sharpness
 from .distributed import Shard
 from .engine import adaptive_sharpness, geodesic_sharpness, symmetries_of
@@ -23,6 +24,7 @@ __all__ = [
     "Ellipsoid",
     "FeasibleSet",
     "FeasibleSetManifold",
+    "Geometry",
     "GeooptSolver",
     "MEASURES",
     "Measure",

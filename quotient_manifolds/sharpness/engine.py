@@ -9,7 +9,7 @@ with $\gamma_\xi(1) \approx w + \xi - \tfrac12\Gamma_w(\xi, \xi)$ on the GL bloc
 $w + \xi$ on every other weight. The maximiser is found separately for every batch (by Auto-PGD
 by default) and the per-batch increases are averaged.
 
-The pieces: a [`Geometry`][quotient_manifolds.models.config.Geometry] (metric, symmetries,
+The pieces: a [`Geometry`][quotient_manifolds.sharpness.config.Geometry] (metric, symmetries,
 retractions, ball) gives the
 [`ModelGeometry`][quotient_manifolds.models.model_geometry.ModelGeometry] of the model (a
 product of tangent spaces) and the feasible set
@@ -39,8 +39,9 @@ from ..errors import (
     NonFiniteError,
     SingleBatchError,
 )
-from ..models import Geometry, ModelGeometry, Symmetries, discover
+from ..models import ModelGeometry, Symmetries, discover
 from ..models.model_geometry import ParamSelection, RowLayout
+from .config import Geometry
 from .distributed import Evaluator, Shard, resolve_shard
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
 from .result import SharpnessResult
@@ -464,7 +465,7 @@ def geodesic_sharpness(
         overrides the solver's (default 20).
     geometry : Geometry, optional
         Symmetries, retractions, relaxations and ball
-        ([`Geometry`][quotient_manifolds.models.config.Geometry]); default `Geometry()`: the
+        ([`Geometry`][quotient_manifolds.sharpness.config.Geometry]); default `Geometry()`: the
         full symmetry group, second-order retraction (Eq. 5), metric ball.
     solver : APGD, Average or GeooptSolver, optional
         How the inner problem is solved: `APGD()` (worst case, default), `Average(seed=…)`

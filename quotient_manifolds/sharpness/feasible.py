@@ -35,11 +35,12 @@ import torch
 
 from ..manifolds.base import Generator, standard_normal
 from ..manifolds.product import ProductTangentSpace
-from ..models.config import BALLS
 
 __all__ = ["BALLS", "FeasibleSet", "MetricBall", "AdaptiveNormBall", "Ellipsoid", "Box",
            "make_feasible"]
 
+BALLS = ("metric", "adaptive", "ellipsoid", "box")
+"""The feasible sets of `make_feasible`, by name."""
 
 
 _Set = TypeVar("_Set", bound="FeasibleSet")

@@ -2,7 +2,7 @@ r"""The table of sharpness measures, by name: the one place the CLI, the experim
 invariance checks look measures up.
 
 Each entry is a frozen [`Measure`][quotient_manifolds.sharpness.measures.Measure]: a
-[`Geometry`][quotient_manifolds.models.config.Geometry] and a kind (worst or average case). Call
+[`Geometry`][quotient_manifolds.sharpness.config.Geometry] and a kind (worst or average case). Call
 `MEASURES[name].run(model, loss_fn, data, rho=…)`.
 
 | name | geometry | meaning |
@@ -28,8 +28,8 @@ from typing import Any
 
 from torch import nn
 
-from ..models.config import Geometry
 from ..models.model_geometry import ParamSelection
+from .config import Geometry
 from .result import SharpnessResult
 from .solvers import APGD, Average
 
