@@ -1,4 +1,4 @@
-"""Canonical representatives (models/canonical.py) and the full-group reparametrisation.
+"""Canonical representatives (the fold families) and the full-group reparametrisation.
 
 Every model is built tiny, in float64, with redrawn weights (N(0, 1/fan_in) matrices, gains
 1 + N(0, 0.3²), biases N(0, 0.5²)): the 0.02 initialisation of Hugging Face makes attention
@@ -18,18 +18,18 @@ from torch import nn
 
 import quotient_manifolds as qm
 from quotient_manifolds.models.blocks import FactorPart, gather_block
-from quotient_manifolds.models.canonical import (
-    PROBE_RTOL,
+from quotient_manifolds.models import prober as prober_module
+from quotient_manifolds.models.discovery import apply_folds, find_folds, strip_frozen
+from quotient_manifolds.models.families import (
     KeyBiasFold,
     NormGainFold,
     QKNormScaleFold,
     ValueBiasFold,
-    _tensors,
-    apply_folds,
-    find_folds,
 )
-from quotient_manifolds.models.discovery import strip_frozen
-from quotient_manifolds.models.probe import _cast_tree, example_inputs, float64_internals
+from quotient_manifolds.models.inputs import cast_inputs, example_inputs
+from quotient_manifolds.models.precision import float64_internals
+from quotient_manifolds.models.records import PROBE_RTOL
+from quotient_manifolds.tree import tree_leaves
 from quotient_manifolds.models.reparam import transform_params
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*|.*bos_token_id.*")
@@ -219,12 +219,14 @@ ZOO = {
 
 def _inputs(model, ex):
     ex = ex if ex is not None else example_inputs(model, torch.Generator().manual_seed(1))
-    return _cast_tree(ex, torch.float64, None)
+    return cast_inputs(ex, torch.float64)
 
 
 def _outputs(model, ex):
     with torch.no_grad(), float64_internals():
-        return _tensors(model(*ex[0], **ex[1]))
+        out = tree_leaves(model(*ex[0], **ex[1]),
+                          skip_key=lambda k: "past" in str(k) or "cache" in str(k))
+        return [t for t in out if t.is_floating_point()]
 
 
 def _rel(a, b):
@@ -728,15 +730,13 @@ def test_transform_with_stripped_blocks_moves_the_value_bias_along(name):
 def test_folds_are_probed_on_two_rows_of_the_example_input(monkeypatch):
     """The fold probes run the model on the first rows of a batched example input; the folds
     are those found on the whole input."""
-    from quotient_manifolds.models import canonical
-
     model = encoder()
     big = ((torch.randn(9, 5, 16, generator=torch.Generator().manual_seed(2)),), {})
     blocks = _paper_blocks(model)
-    prober = canonical._Prober(model, big)
-    assert prober.args[0].shape == (canonical.PROBE_ROWS, 5, 16)
+    prober = prober_module.Prober(model, big)
+    assert prober.args[0].shape == (prober_module.PROBE_ROWS, 5, 16)
     cut = find_folds(model, blocks, example_inputs=big)
-    monkeypatch.setattr(canonical, "PROBE_ROWS", 10**6)
+    monkeypatch.setattr(prober_module, "PROBE_ROWS", 10**6)
     whole = find_folds(model, blocks, example_inputs=big)
     assert [f.describe() for f in cut[0]] == [f.describe() for f in whole[0]]
     assert dict(Counter(f.kind for f in cut[0])) == ZOO["encoder_prenorm"][2]
@@ -745,7 +745,6 @@ def test_folds_are_probed_on_two_rows_of_the_example_input(monkeypatch):
 def test_fold_probes_use_the_whole_input_if_dim_0_is_not_a_batch():
     """A sequence-first model with a positional table of the sequence length fails on cut
     rows: the probes fall back to the whole input and find the fold."""
-    from quotient_manifolds.models import canonical
 
     class SeqFirst(nn.Module):
         def __init__(self):
@@ -761,6 +760,6 @@ def test_fold_probes_use_the_whole_input_if_dim_0_is_not_a_batch():
 
     model = SeqFirst().double()
     ex = ((torch.randn(6, 3, 4, generator=torch.Generator().manual_seed(3)),), {})
-    assert canonical._Prober(model, ex).args[0].shape == (6, 3, 4)
+    assert prober_module.Prober(model, ex).args[0].shape == (6, 3, 4)
     folds, fallbacks = find_folds(model, [], example_inputs=ex)
     assert [f.kind for f in folds] == ["norm_gain"] and not fallbacks

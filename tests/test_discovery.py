@@ -20,6 +20,7 @@ from torch import nn
 import quotient_manifolds as qm
 from quotient_manifolds.geometry.subgroup import RotaryCommutant
 from quotient_manifolds.models import discovery as disc
+from quotient_manifolds.models.families import attention_layouts as layouts
 from quotient_manifolds.models import example_inputs, rope_pairs
 from quotient_manifolds.models.blocks import FactorPart
 
@@ -479,7 +480,8 @@ def test_rotary_pairs_read_from_the_model():
 def test_xcit_channel_attention_rejected_by_the_probe_alone(monkeypatch):
     """Without the structural XCA check, the generic fused-qkv recogniser claims XCA's qkv/proj
     as token attention; the probe must reject both claims."""
-    monkeypatch.setattr(disc._Finder, "channel_attention", lambda self, name, m: False)
+    monkeypatch.setattr(layouts, "LAYOUTS", [
+        f for f in layouts.LAYOUTS if f is not layouts.channel_attention])
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         sym = qm.discover(_model("timm_xcit"))
@@ -623,7 +625,9 @@ def test_discover_leaves_the_model_untouched():
 
 
 def test_float64_internals_and_tolerance():
-    from quotient_manifolds.models.probe import PROBE_RTOL, float64_internals, tolerance
+    from quotient_manifolds.models.precision import float64_internals
+    from quotient_manifolds.models.prober import tolerance
+    from quotient_manifolds.models.records import PROBE_RTOL
 
     x = torch.randn(3, 4, dtype=torch.float64)
     with float64_internals():

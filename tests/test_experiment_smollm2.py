@@ -76,7 +76,7 @@ def test_smollm2_loads_and_computes_its_loss(smol):
 @pytest.mark.slow
 def test_smollm2_folds(smol):
     """60 RMSNorm folds (two per layer); the final norm feeds the tied head: a fallback."""
-    from quotient_manifolds.models.canonical import find_folds
+    from quotient_manifolds.models import find_folds
 
     model, _ = smol
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

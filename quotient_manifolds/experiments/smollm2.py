@@ -23,7 +23,7 @@ Protocol (fixed here before running):
   on the first batch; ratio $S(\text{moved}) / S(\text{original})$ for every measure, and the
   largest relative change of the logits, as shipped (the RMSNorm and the eager softmax compute
   in float32 even in a float64 model) and with
-  [`float64_internals`][quotient_manifolds.models.probe.float64_internals].
+  [`float64_internals`][quotient_manifolds.models.precision.float64_internals].
 
 Results go to `out/smollm2/results.json` (no population, no τ).  The model is about 135M
 parameters: with `dtype="float64"` the measures need several GiB of memory.
@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import QuotientManifoldError
-from ..models.probe import float64_internals
+from ..models.precision import float64_internals
 from .report import summarize
 from .store import PopulationStore, protocol_hash
 

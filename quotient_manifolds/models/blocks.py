@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 
 from ..errors import BlockSpecError
-from ..manifolds import Subalgebra
+from ..manifolds import Subalgebra, group_action
 
 __all__ = [
     "KINDS",
@@ -335,6 +335,47 @@ class BlockSpec:
         n = sum(p.rows(params[p.param]) for p in self.G)
         m = sum(p.rows(params[p.param]) for p in self.H)
         return replace(self, n=n, m=m)
+
+    # -- the group action -----------------------------------------------------------------------
+    def apply_element(self, params: Mapping[str, torch.Tensor], A: torch.Tensor, *,
+                      one_sided: bool = False) -> dict[str, torch.Tensor]:
+        r"""`params` with every head's factors moved by its element $A_i$ (`(heads, h, h)`):
+        $(G_i A_i^{-1}, H_i A_i^\top)$, or only $G_i A_i^{-1}$ with `one_sided` (not a
+        symmetry: the probe's control). Out of place; the block must be resolved."""
+        x = gather_block(self, params)
+        out = dict(params)
+        scatter_block(self, group_action(x, A.to(x), self.n, one_sided=one_sided), out)
+        return out
+
+    def random_element(self, generator: torch.Generator | None = None, a: float = 1.0
+                       ) -> torch.Tensor:
+        r"""A random element per head, `(heads, h, h)` float64, as the paper draws them (§6.2).
+
+        GL(h): $A = a\,\tilde G$, $\tilde G_{ij} \sim N(0, 1)$. A subgroup: $A = a \exp(X)$
+        with $X$ a random element of its Lie algebra of spectral norm 1 (the subalgebra's
+        `random_element`), the factor $a$ kept only where $a I$ belongs to the subgroup (it
+        does for the rotary commutant).
+        """
+        if self.group is None:
+            return a * torch.randn(self.heads, self.h, self.h, generator=generator,
+                                   dtype=torch.float64)
+        try:
+            A = self.group.random_element(generator, scale=1.0, dtype=torch.float64,
+                                          batch=(self.heads,))
+        except TypeError:  # a subalgebra without batched draws
+            A = torch.stack([self.group.random_element(generator, scale=1.0,
+                                                       dtype=torch.float64)
+                             for _ in range(self.heads)])
+        eye = torch.eye(self.h, dtype=torch.float64)
+        if float((self.group.project(eye) - eye).abs().max()) < 1e-12:
+            A = a * A
+        return A
+
+    def act(self, params: Mapping[str, torch.Tensor], generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
+        """`params` moved by a random element of the block's group
+        ([`random_element`][quotient_manifolds.models.blocks.BlockSpec.random_element])."""
+        return self.apply_element(params, self.random_element(generator, a))
 
     def describe(self) -> dict:
         """A JSON-friendly summary."""

@@ -8,7 +8,7 @@ else:
   $A = a\,\tilde G$, $\tilde G_{ij} \sim N(0, 1)$; for a block restricted to a subgroup
   (rotary embeddings), $A = a \exp(X)$ with a random $X$ of spectral norm 1 in its Lie algebra;
   grouped K/V heads share one element per K/V head (the block's stacked factors);
-* every fold ([`Fold`][quotient_manifolds.models.canonical.Fold]): norm gains scaled by
+* every fold ([`Fold`][quotient_manifolds.models.symmetry.Fold]): norm gains scaled by
   random $c ∈ (\mathbb R^*)^d$ and shifted by random $t$, random key-bias translations, random
   value/output translations $(b_V + t, b_O − W_O t)$, random q/k-norm gain scalings.
 
@@ -25,11 +25,12 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..manifolds import group_action
-from .blocks import BlockSpec, gather_block, scatter_block
-from .canonical import Fold, ValueBiasFold, find_folds
-from .discovery import discover
+from .blocks import BlockSpec
+from .discovery import discover, find_folds
+from .families import ValueBiasFold
+from .prober import Candidate
 from .records import SYMMETRIES
+from .symmetry import Fold
 
 __all__ = ["SYMMETRIES", "reparametrize", "transform_params"]
 
@@ -76,28 +77,6 @@ def _with_fold_rows(
     return out
 
 
-def _gl_element(b: BlockSpec, a: float, generator, device) -> torch.Tensor:
-    r"""A random element per head, `(heads, h, h)` float64.
-
-    GL(h): $A = a\,\tilde G$.  A subgroup: $A = a \exp(X)$ with $X$ a random element of its
-    Lie algebra of spectral norm 1 (`Subalgebra.random_element`), the factor $a$ kept only
-    where $a I$ belongs to the subgroup (it does for the rotary commutant).
-    """
-    group = getattr(b, "group", None)
-    if group is None:
-        return (a * torch.randn(b.heads, b.h, b.h, generator=generator,
-                                dtype=torch.float64)).to(device)
-    try:
-        A = group.random_element(generator, scale=1.0, dtype=torch.float64, batch=(b.heads,))
-    except TypeError:  # a subalgebra without batched draws
-        A = torch.stack([group.random_element(generator, scale=1.0, dtype=torch.float64)
-                         for _ in range(b.heads)])
-    eye = torch.eye(b.h, dtype=torch.float64)
-    if float((group.project(eye) - eye).abs().max()) < 1e-12:
-        A = a * A
-    return A.to(device)
-
-
 def transform_params(
     params: dict[str, torch.Tensor],
     blocks: Sequence[BlockSpec],
@@ -108,18 +87,16 @@ def transform_params(
 ) -> dict[str, torch.Tensor]:
     r"""`params` moved by a random element of the group of `blocks` and `folds` (out of place).
 
-    First every block by its GL (or subgroup) element, then every fold by its own random
-    element; the algebra runs in float64.  This is the parameter-level core of
+    First every block by its GL (or subgroup) element
+    ([`BlockSpec.act`][quotient_manifolds.models.blocks.BlockSpec.act]), then every fold by its
+    own random element; the algebra runs in float64.  This is the parameter-level core of
     [`reparametrize`][quotient_manifolds.models.reparam.reparametrize].
     """
     cur = {n: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
            for n, t in params.items()}
-    for b in _with_fold_rows(blocks, folds, cur):
-        x = gather_block(b, cur).to(torch.float64)
-        A = _gl_element(b, a, generator, x.device)
-        scatter_block(b, group_action(x, A, b.n), cur)  # (G A⁻¹, H Aᵀ)
-    for f in folds:
-        cur = f.act(cur, generator, a)
+    candidates: list[Candidate] = [*_with_fold_rows(blocks, folds, cur), *folds]
+    for c in candidates:
+        cur = c.act(cur, generator, a)
     return {n: cur[n].to(params[n].dtype) for n in params}
 
 

@@ -1,0 +1,51 @@
+"""The symmetry families discovery asks, in order: one line per family.
+
+Each family is one file of this package (a
+[`SymmetryFamily`][quotient_manifolds.models.symmetry.SymmetryFamily] subclass). Block families
+come first (their blocks are probed before the fold families read them); a family whose modules
+another family must not take comes before it (the q/k norms before the pre-norm gains).
+"""
+
+from __future__ import annotations
+
+from ..symmetry import SymmetryFamily
+from .attention import Attention, rope_pairs
+from .bias import BiasTranslations, KeyBiasFold, ValueBiasFold
+from .lora import LoRA
+from .norm_gain import NormGainFold, NormGains
+from .qk_norm import QKNorms, QKNormScaleFold
+
+__all__ = [
+    "FAMILIES",
+    "Attention",
+    "BiasTranslations",
+    "KeyBiasFold",
+    "LoRA",
+    "NormGainFold",
+    "NormGains",
+    "QKNormScaleFold",
+    "QKNorms",
+    "ValueBiasFold",
+    "register_family",
+    "rope_pairs",
+]
+
+FAMILIES: list[SymmetryFamily] = [
+    LoRA(),
+    Attention(),
+    QKNorms(),
+    NormGains(),
+    BiasTranslations(),
+]
+"""The families of [`discover`][quotient_manifolds.models.discover], asked in order."""
+
+
+def register_family(family: SymmetryFamily, *, index: int | None = None) -> None:
+    """Add `family` to `FAMILIES`: at `index`, or last among the families of its kind (block
+    families run before fold families whatever their place)."""
+    if not isinstance(family, SymmetryFamily):
+        raise TypeError(f"a symmetry family must be a SymmetryFamily instance, got {family!r}")
+    if index is None:
+        FAMILIES.append(family)
+    else:
+        FAMILIES.insert(index, family)
