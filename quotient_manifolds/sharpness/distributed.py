@@ -35,13 +35,13 @@ go into a [`Shard`][quotient_manifolds.sharpness.distributed.Shard]:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 
 from ..errors import DistributedError
+from ..tree import leading_size, tree_map
 
 __all__ = ["SHARD_MODES", "Shard", "ShardContext", "default_split", "resolve_shard"]
 
@@ -58,39 +58,6 @@ def _dist():
     return dist
 
 
-def _rows(x) -> int | None:
-    if isinstance(x, torch.Tensor):
-        return int(x.shape[0]) if x.dim() else None
-    if isinstance(x, Mapping):
-        for v in x.values():
-            r = _rows(v)
-            if r is not None:
-                return r
-    if isinstance(x, (list, tuple)):
-        for v in x:
-            r = _rows(v)
-            if r is not None:
-                return r
-    return None
-
-
-def _slice(x, rank: int, world: int):
-    if isinstance(x, torch.Tensor):
-        return torch.tensor_split(x, world, dim=0)[rank] if x.dim() else x
-    if isinstance(x, Mapping):
-        d = {k: _slice(v, rank, world) for k, v in x.items()}
-        try:
-            # a concrete mapping class (dict, BatchEncoding, ...) rebuilt from a dict
-            return cast("Callable[[dict], object]", type(x))(d)
-        except TypeError:
-            return d
-    if isinstance(x, tuple):
-        return tuple(_slice(v, rank, world) for v in x)
-    if isinstance(x, list):
-        return [_slice(v, rank, world) for v in x]
-    return x
-
-
 def default_split(batch: object, rank: int, world_size: int) -> tuple[object, int]:
     """Rank ``rank``'s slice of ``batch`` and its number of examples.
 
@@ -99,13 +66,14 @@ def default_split(batch: object, rank: int, world_size: int) -> tuple[object, in
     `torch.tensor_split` into ``world_size`` near-equal parts; 0-d tensors and
     non-tensors are passed whole.  The size is dim 0 of the first tensor found.
     """
-    n = _rows(batch)
+    n = leading_size(batch)
     if n is None:
         raise DistributedError(
             "shard='within_batch' found no tensor with a batch dimension in the batch; "
             "pass split_batch=fn with fn(batch, rank, world_size) -> (slice, n_examples)"
         )
-    part = _slice(batch, rank, world_size)
+    part = tree_map(lambda t: torch.tensor_split(t, world_size, dim=0)[rank] if t.dim() else t,
+                    batch)
     return part, int(torch.tensor_split(torch.empty(n, 0), world_size)[rank].shape[0])
 
 
