@@ -35,12 +35,12 @@ from torch import nn
 from ..errors import (
     DetachedLossError,
     EmptyDataError,
-    InvalidRadiusError,
     NonFiniteError,
     SingleBatchError,
 )
 from ..models import ModelGeometry, Symmetries, discover
 from ..models.model_geometry import ParamSelection, RowLayout
+from .checks import check_rho
 from .config import Geometry
 from .distributed import Evaluator, Shard, resolve_shard
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
@@ -90,19 +90,6 @@ class _Evaluator:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
         return loss.reshape(()).float() if loss.dtype in (torch.float16, torch.bfloat16) else (
             loss.reshape(()))
-
-
-def _check_rho(rho: float) -> float:
-    try:
-        r = float(rho)
-    except (TypeError, ValueError):
-        r = float("nan")
-    if not (r > 0 and math.isfinite(r)):
-        raise InvalidRadiusError(
-            f"rho must be a positive finite number, got {rho!r}; pass e.g. rho=0.1 "
-            "(the radius of the perturbation ball ‖ξ‖ ≤ ρ)"
-        )
-    return r
 
 
 def _check_data(data) -> None:
@@ -484,7 +471,7 @@ def geodesic_sharpness(
     -------
     SharpnessResult
     """
-    r = _check_rho(rho)
+    r = check_rho(rho)
     geometry = Geometry() if geometry is None else geometry
     if metric is not None:
         geometry = geometry.replace(metric=metric)
@@ -530,5 +517,5 @@ def adaptive_sharpness(
     geometry = Geometry() if geometry is None else geometry
     geometry = geometry.replace(metric=None, ball="ellipsoid" if norm == "l2" else "box",
                                 blocks=None, declared=())
-    return _sharpness(model, loss_fn, data, _check_rho(rho), geometry, _solver(solver, n_iter),
+    return _sharpness(model, loss_fn, data, check_rho(rho), geometry, _solver(solver, n_iter),
                       params, shard)

@@ -24,8 +24,8 @@ from typing import ClassVar, Protocol
 import geoopt
 import torch
 
-from ..errors import InvalidRadiusError
 from .apgd import apgd
+from .checks import check_rho
 from .feasible import FeasibleSet
 
 __all__ = ["APGD", "Average", "GeooptSolver", "FeasibleSetManifold", "BatchProblem", "SOLVERS"]
@@ -226,8 +226,7 @@ class FeasibleSetManifold(geoopt.manifolds.Manifold):
 
     def __init__(self, feasible: FeasibleSet, shape: tuple[int, ...] | None = None) -> None:
         super().__init__()
-        if not (feasible.rho > 0 and feasible.rho < float("inf")):
-            raise InvalidRadiusError(f"radius must be positive and finite, got {feasible.rho}")
+        check_rho(feasible.rho, "radius")
         self.feasible = feasible
         self.shape = None if shape is None else tuple(shape)
         if self.shape is not None:
