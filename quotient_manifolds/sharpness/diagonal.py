@@ -375,11 +375,7 @@ def _worst(increase, feasible: FeasibleSet, gens, n_iter: int, n_restarts: int) 
         val = val.detach()
         return torch.where(torch.isfinite(val), val, -math.inf), torch.nan_to_num(g)
 
-    inits = []
-    for _ in range(n_restarts):  # random starts at half the radius
-        z = feasible.sample(gens)
-        n = feasible.norm(z)
-        inits.append(z * (0.5 * feasible.rho / n.clamp_min(torch.finfo(z.dtype).tiny))[:, None])
+    inits = [feasible.random_start(gens) for _ in range(n_restarts)]  # at half the radius
     zero = torch.zeros(feasible.problems, dtype=feasible.space.dtype)
     best = zero
     for init in (None, *inits):

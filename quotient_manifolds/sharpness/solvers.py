@@ -310,9 +310,7 @@ class FeasibleSetManifold(geoopt.manifolds.Manifold):
 
     def random(self, *size: int | tuple[int], dtype: torch.dtype | None = None,
                device: torch.device | str | None = None) -> geoopt.ManifoldTensor:
-        """A random point of the set: a sample, shrunk to half the radius."""
-        z = self.feasible.sample(None)
-        n = self.feasible.norm(z)
-        scale = 0.5 * self.radius / n.clamp_min(torch.finfo(z.dtype).tiny)
-        z = z * (scale if scale.dim() == 0 else scale.unsqueeze(-1))
+        """A random point of the set: the feasible set's `random_start` (a sample, shrunk to half
+        the radius)."""
+        z = self.feasible.random_start(None)
         return geoopt.ManifoldTensor(self._back(z), manifold=self)
