@@ -343,7 +343,7 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
                              horizontal=bool(geo.groups))
     ctx.check_same(geo.base_points)
     gen = None
-    if isinstance(solver, Average):
+    if isinstance(solver, (APGD, Average)) and solver.random:  # samples or random starts
         gen = torch.Generator()
         gen.manual_seed(ctx.common_seed(solver.seed))
     ev = ctx.evaluator(_Evaluator(model, loss_fn))
@@ -358,13 +358,14 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
         with _eval_mode(model), torch.enable_grad():
             for b, batch in enumerate(data):
                 if not ctx.owns(b):  # shard="batches": another rank solves this batch
-                    if isinstance(solver, Average):  # keep the samples of later batches
-                        solver.skip(feasible, gen)
+                    if gen is not None and isinstance(solver, (APGD, Average)):
+                        solver.skip(feasible, gen)  # keep the draws of later batches in step
                     continue
                 with torch.no_grad():
                     base = _finite(float(ev(geo.base, batch)), b, "at the unperturbed weights")
                 prob = _BatchProblem(geo, ev, batch, b)
-                best, xi, evals = solver.solve(prob, feasible, base, gen)
+                best_t, xi, evals = solver.solve(prob, feasible, base, gen)
+                best = float(best_t)
                 nrm = {} if xi is None else {k: float(v) for k, v in feasible.norms(xi).items()}
                 n_evals += evals
                 per.append(best - base)
@@ -455,9 +456,9 @@ def geodesic_sharpness(
         ([`Geometry`][quotient_manifolds.sharpness.config.Geometry]); default `Geometry()`: the
         full symmetry group, second-order retraction (Eq. 5), metric ball.
     solver : APGD, Average or GeooptSolver, optional
-        How the inner problem is solved: `APGD()` (worst case, default), `Average(seed=…)`
-        (Gaussian average case) or `GeooptSolver(factory)` (a geoopt optimizer). Progress bars:
-        `APGD(progress=True)`.
+        How the inner problem is solved: `APGD()` (worst case, default; `APGD(restarts=3,
+        seed=…)` adds random starts), `Average(seed=…)` (Gaussian average case) or
+        `GeooptSolver(factory)` (a geoopt optimizer). Progress bars: `APGD(progress=True)`.
     params : names, tensors, dict or predicate, optional
         The perturbed parameters: names, parameter tensors, a dict `{name: parameter}` or a
         predicate `(name, param) -> bool`. Default: the parameters with `requires_grad=True`
