@@ -14,9 +14,10 @@ import torch
 from quotient_manifolds.errors import GeodesicDomainError, InvalidRadiusError
 from quotient_manifolds.manifolds import DiagonalQuotient
 from quotient_manifolds.manifolds.product import ProductTangentSpace
-from quotient_manifolds.sharpness import AdaptiveNormBall, MetricBall, apgd
+from quotient_manifolds.sharpness import APGD, AdaptiveNormBall, Average, MetricBall, apgd
 from quotient_manifolds.sharpness.diagonal import (
-    BALLS,
+    DIAGONAL_BALLS,
+    DiagonalGeometry,
     _coefficient_weights,
     _geodesic_set,
     diagonal_loss,
@@ -82,7 +83,8 @@ def test_mix_geodesic_domain_error():
 def test_mix_metric_ball_closed_form(rho):
     """Metric ball 2‖β⊙b‖² ≤ ρ²: S = 2√2 ρ‖β₀ − β*‖ + 2ρ² (XᵀX = I, sum loss, domain inactive)."""
     X, y, bstar, u, v = _orthogonal_problem()
-    S = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", reduction="sum")
+    S = diagonal_sharpness(u, v, X, y, rho=rho, geometry=DiagonalGeometry(metric="mix"),
+                           reduction="sum")
     expected = 2 * math.sqrt(2) * rho * (u * v - bstar).norm(dim=-1) + 2 * rho**2
     torch.testing.assert_close(S, expected, rtol=1e-6, atol=1e-12)
 
@@ -94,8 +96,9 @@ def test_mix_coefficient_ball_trust_region():
 
     X, y, bstar, u, v = _orthogonal_problem(B=2)
     rho = 0.05
-    S = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", ball="coefficient",
-                           reduction="sum", n_iter=200)
+    S = diagonal_sharpness(u, v, X, y, rho=rho,
+                           geometry=DiagonalGeometry(metric="mix", ball="coefficient"),
+                           reduction="sum", solver=APGD(n_iter=200, restarts=3, seed=0))
     for k in range(2):
         beta0 = (u * v)[k]
         g, h = 4 * beta0 * (beta0 - bstar), 8 * beta0**2  # f(b) = gᵀb + ½ bᵀ diag(h) b
@@ -112,7 +115,8 @@ def test_inv_zero_residual_closed_form():
     X, y, bstar, u, _ = _orthogonal_problem()
     v = bstar / u
     rho = 0.05
-    S = diagonal_sharpness(u, v, X, y, rho=rho, metric="inv", reduction="sum")
+    S = diagonal_sharpness(u, v, X, y, rho=rho, geometry=DiagonalGeometry(metric="inv"),
+                           reduction="sum")
     expected = bstar.max() ** 2 * (math.exp(2 * rho / math.sqrt(2)) - 1) ** 2
     torch.testing.assert_close(S, expected.expand(3), rtol=1e-6, atol=1e-14)
 
@@ -124,7 +128,8 @@ def test_inv_first_order_regime():
     lead = 4 * (1 / math.sqrt(2)) * (beta0 * (beta0 - bstar)).norm(dim=-1)
     errs = []
     for rho in (1e-3, 1e-4):
-        S = diagonal_sharpness(u, v, X, y, rho=rho, metric="inv", reduction="sum")
+        S = diagonal_sharpness(u, v, X, y, rho=rho, geometry=DiagonalGeometry(metric="inv"),
+                               reduction="sum")
         errs.append(((S / rho - lead) / lead).abs().max().item())
     assert errs[1] < 2e-4 and errs[1] < errs[0] / 5  # the relative error is O(ρ)
 
@@ -145,8 +150,9 @@ def test_ball_norms_match_the_table():
         adaptive = AdaptiveNormBall(space, 1.0, space.join([ts.x0**2]))
         torch.testing.assert_close(adaptive.norm(xi), r2 * b.norm(dim=-1))
         # the per-coordinate weights the unconstrained mix solve reads off each ball
-        for ball in BALLS:
-            _, ts_b, fs, _ = _geodesic_set(u, v, 1.0, metric, "exact", ball, 1e-6)
+        for ball in DIAGONAL_BALLS:
+            _, ts_b, fs, _ = _geodesic_set(u, v, 1.0, DiagonalGeometry(metric, "exact", ball,
+                                                                       domain_margin=1e-6))
             torch.testing.assert_close(fs.norm(xi) ** 2,
                                        (_coefficient_weights(fs, ts_b) * b * b).sum(-1))
 
@@ -182,13 +188,16 @@ def test_mix_respects_domain_and_masks_zeros():
     v[:, 0] = 1e-9
     v[0, 1] = 0.0
     for ball in ("metric", "coefficient"):
-        S = diagonal_sharpness(u, v, X, y, rho=0.3, metric="mix", ball=ball)
+        S = diagonal_sharpness(u, v, X, y, rho=0.3, geometry=DiagonalGeometry(metric="mix",
+                                                                             ball=ball))
         assert bool(torch.isfinite(S).all())
-    S = diagonal_sharpness(u, v, X, y, rho=0.3, metric="mix", kind="average", n_samples=20)
+    S = diagonal_sharpness(u, v, X, y, rho=0.3, geometry=DiagonalGeometry(metric="mix"),
+                           solver=Average(n=20, seed=0))
     assert bool(torch.isfinite(S).all())
     # a masked coordinate (β₁ = 0 held fixed) is the same as deleting it from the network
     keep = [0, 2, 3]
-    for kw in ({"metric": "inv"}, {"metric": "mix", "ball": "coefficient"},
+    for kw in ({"geometry": DiagonalGeometry(metric="inv")},
+               {"geometry": DiagonalGeometry(metric="mix", ball="coefficient")},
                {"measure": "adaptive"}):
         full = diagonal_sharpness(u[:1], v[:1], X, y, rho=0.1, **kw)
         red = diagonal_sharpness(u[:1, keep], v[:1, keep], X[:, keep], y, rho=0.1, **kw)
@@ -202,7 +211,8 @@ def test_adaptive_is_rescaling_invariant():
     """Adaptive and geodesic sharpness do not move along an orbit (α u, v / α)."""
     X, y, _, u, v = _orthogonal_problem()
     a = torch.exp(torch.randn(3, 4, generator=torch.Generator().manual_seed(3), dtype=F64))
-    for kw in ({"measure": "adaptive"}, {"metric": "inv"}, {"metric": "mix"}):
+    for kw in ({"measure": "adaptive"}, {"geometry": DiagonalGeometry(metric="inv")},
+               {"geometry": DiagonalGeometry(metric="mix")}):
         s1 = diagonal_sharpness(u, v, X, y, rho=0.05, **kw)
         s2 = diagonal_sharpness(a * u, v / a, X, y, rho=0.05, **kw)
         torch.testing.assert_close(s1, s2, rtol=1e-6, atol=1e-12)
@@ -255,15 +265,19 @@ def test_quick_results_structure(quick_results):
     assert on_disk["guard"]["masked_coordinates"] >= 0
 
 
-@pytest.mark.parametrize("kw", [{"metric": "inv"}, {"metric": "mix", "kind": "average"},
-                                {"metric": "mix", "ball": "coefficient", "kind": "average"},
-                                {"measure": "adaptive"}])
+@pytest.mark.parametrize("kw", [
+    {"geometry": DiagonalGeometry(metric="inv"), "kind": "worst"},
+    {"geometry": DiagonalGeometry(metric="mix"), "kind": "average"},
+    {"geometry": DiagonalGeometry(metric="mix", ball="coefficient"), "kind": "average"},
+    {"measure": "adaptive", "kind": "worst"}])
 def test_per_row_seeds_make_rows_independent(kw):
     """With one seed per row, a row's value does not depend on the other rows (resumable)."""
     X, y, _, u, v = _orthogonal_problem(B=3, spread=0.3)
     v = v.clone()
     v[:, 0] = 1e-6  # near-zero β: the mix average case redraws coordinates
-    opts = {"rho": 0.3, "n_iter": 15, "n_samples": 10, **kw}
+    kw = dict(kw)
+    solver = APGD(n_iter=15, restarts=3) if kw.pop("kind") == "worst" else Average(n=10)
+    opts = {"rho": 0.3, "solver": solver, **kw}
     full = diagonal_sharpness(u, v, X, y, seed=[11, 12, 13], **opts)
     alone = diagonal_sharpness(u[1:2], v[1:2], X, y, seed=[12], **opts)
     torch.testing.assert_close(full[1:2], alone, rtol=1e-10, atol=1e-14)
@@ -310,9 +324,11 @@ def test_unconstrained_mix_trust_region_is_the_global_maximum(ball):
     found = apgd(objective, feasible, torch.zeros(3, dtype=F64), n_iter=300).best_loss
     assert bool((val >= found - 1e-12).all())
     assert val.tolist() == pytest.approx(found.tolist(), rel=1e-6)  # APGD finds it here
-    constrained = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", ball=ball)
+    constrained = diagonal_sharpness(u, v, X, y, rho=rho,
+                                     geometry=DiagonalGeometry(metric="mix", ball=ball))
     assert bool((val >= constrained - 1e-12).all())
-    via_api = diagonal_sharpness(u, v, X, y, rho=rho, metric="mix", ball=ball, domain=False)
+    via_api = diagonal_sharpness(u, v, X, y, rho=rho,
+                                 geometry=DiagonalGeometry(metric="mix", ball=ball, domain=False))
     torch.testing.assert_close(via_api, val)
 
 
@@ -338,7 +354,9 @@ def test_unconstrained_mix_hard_case():
 def test_unconstrained_mix_rejects_other_measures():
     X, y, _, u, v = _orthogonal_problem()
     with pytest.raises(ValueError, match="domain=False"):
-        diagonal_sharpness(u, v, X, y, rho=0.1, metric="inv", domain=False)
-    avg = diagonal_sharpness(u, v, X, y, rho=0.1, metric="mix", domain=False, kind="average",
-                             n_samples=50)
+        diagonal_sharpness(u, v, X, y, rho=0.1,
+                           geometry=DiagonalGeometry(metric="inv", domain=False))
+    avg = diagonal_sharpness(u, v, X, y, rho=0.1,
+                             geometry=DiagonalGeometry(metric="mix", domain=False),
+                             solver=Average(n=50, seed=0))
     assert bool(torch.isfinite(avg).all())

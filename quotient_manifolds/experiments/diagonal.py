@@ -15,10 +15,11 @@ Protocol, fixed here before any τ was computed:
 * **Gap** = test loss ``‖X_test β − y_test‖²/(2·1000)`` (train loss is ≈ 0).
 * **Measures** on the whole training set (one batch), same loss convention, by
   `quotient_manifolds.sharpness.diagonal.diagonal_sharpness`: worst case by
-  batched Auto-PGD, 100 iterations, zero start + 3 random starts; average case over
-  100 Gaussian draws; the random starts and draws of a member come from its own generator
-  (seeded with its training seed), so its values do not depend on which members are measured
-  together (a resumed run gives the same numbers).  ρ grid ``{0.01, 0.03, 0.1, 0.3, 1}`` for
+  batched Auto-PGD (`APGD(n_iter=100, restarts=3)`: 100 iterations, zero start + 3 random
+  starts); average case over 100 Gaussian draws (`Average(n=100)`); the random starts and
+  draws of a member come from its own generator (seeded with its training seed), so its
+  values do not depend on which members are measured together (a resumed run gives the same
+  numbers).  ρ grid ``{0.01, 0.03, 0.1, 0.3, 1}`` for
   every measure, headline ρ = 0.1 for every measure.
 
 The β ≈ 0 guard.  The quotient needs ``u_i, v_i ≠ 0``.  With ``v₀ = 0``, ``v_i`` moves off
@@ -44,12 +45,13 @@ import numpy as np
 import torch
 
 from .._deps import pyplot
-from ..sharpness.diagonal import diagonal_loss, diagonal_sharpness
+from ..sharpness.diagonal import DiagonalGeometry, diagonal_loss, diagonal_sharpness
+from ..sharpness.solvers import APGD, Average
 from .report import scatter_figure, summarize
 from .store import PopulationStore, protocol_hash
 
 __all__ = ["DATA", "MEASURES", "POPULATION", "PRIMARY_RHO", "RHO_GRID", "make_data",
-           "sample_population", "train_population", "run"]
+           "measure_options", "sample_population", "train_population", "run"]
 
 NAME = "diagonal"
 REQUIRES = ("safetensors", "matplotlib")
@@ -65,7 +67,10 @@ RHO_GRID = [0.01, 0.03, 0.1, 0.3, 1.0]
 PRIMARY_RHO = 0.1
 WORST: dict[str, Any] = {"kind": "worst", "n_iter": 100, "n_restarts": 3}
 AVERAGE: dict[str, Any] = {"kind": "average", "n_samples": 100}
-#: name -> keyword arguments of diagonal_sharpness (besides rho).
+#: name -> the settings of a measure (the protocol, recorded in results.json and hashed into
+#: the cache key): `measure`, the `DiagonalGeometry` attributes, and the solver's, `kind`
+#: "worst" (`APGD(n_iter, restarts=n_restarts)`) or "average" (`Average(n=n_samples)`);
+#: `measure_options` turns them into the arguments of diagonal_sharpness.
 #: Radius conventions of mix (App. E): "metric" is ‖ξ‖_mix = √2‖β⊙b‖ ≤ ρ, App. E's mix
 #: convention ‖2 D_β b‖ up to √2 in ρ; "coefficient" is ‖b‖ ≤ ρ, App. E's *inv* convention
 #: applied to mix. "unconstrained": the metric ball without the domain 1 + 2b > 0 (β(1 + 2b)
@@ -103,6 +108,16 @@ MEASURES: dict[str, dict] = {
 }
 QUICK: dict[str, Any] = {"n_members": 8, "max_steps": 4_000, "rho_grid": [0.03, 0.1], "n_iter": 10,
          "n_restarts": 1, "n_samples": 10, "n_boot": 200}
+
+
+def measure_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `diagonal_sharpness` (besides `rho` and `seed`) of one entry of
+    `MEASURES`: `measure`, `geometry` (a `DiagonalGeometry`) and `solver`."""
+    geo = {k: spec[k] for k in ("metric", "retraction", "ball", "domain") if k in spec}
+    solver: APGD | Average = (APGD(n_iter=spec["n_iter"], restarts=spec["n_restarts"])
+                              if spec["kind"] == "worst" else Average(n=spec["n_samples"]))
+    return {"measure": spec.get("measure", "geodesic"), "geometry": DiagonalGeometry(**geo),
+            "solver": solver}
 
 
 def make_data(
@@ -298,7 +313,7 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
         need = [j for j, i in enumerate(ids) if str(r) not in values[i].get(name, {})]
         if not need:
             continue
-        s = diagonal_sharpness(U[need], V[need], X, y, rho=r, **specs[name],
+        s = diagonal_sharpness(U[need], V[need], X, y, rho=r, **measure_options(specs[name]),
                                seed=[seeds[j] for j in need])
         for j, val in zip(need, s.tolist()):
             values[ids[j]].setdefault(name, {})[str(r)] = val

@@ -32,7 +32,7 @@ import torch
 
 from .._deps import pyplot
 from ..manifolds import DiagonalQuotient
-from ..sharpness.diagonal import diagonal_sharpness
+from ..sharpness.diagonal import DiagonalGeometry, diagonal_sharpness
 from .report import summarize
 from .store import PopulationStore
 
@@ -147,7 +147,8 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
         "adaptive": diagonal_sharpness(G[:, None], H[:, None], X1, y1, rho=rho,
                                        measure="adaptive", reduction="sum"),
         "geodesic_inv": diagonal_sharpness(G[:, None], H[:, None], X1, y1, rho=rho,
-                                           metric="inv", reduction="sum"),
+                                           geometry=DiagonalGeometry(metric="inv"),
+                                           reduction="sum"),
     }
     steps.update()
     closed = closed_form_geodesic(G, H, x, y, rho)

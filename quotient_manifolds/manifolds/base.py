@@ -152,6 +152,13 @@ class TangentSpace:
         identity unless the exact geodesic has a domain (the mix metric of diagonal nets)."""
         return u
 
+    def outside_domain(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor | None:
+        """Where the horizontal vector `u` leaves the domain of the retraction `kind`: a boolean
+        tensor of shape `noise_shape`, true at the noise coordinates of `sample` whose part of
+        `u` lies outside it; `None` when the retraction has no domain (every space but the mix
+        metric of diagonal nets). A truncated Gaussian redraws the true coordinates."""
+        return None
+
     # -- sampling -----------------------------------------------------------------
     def metric_sqrt_inv(self, z: torch.Tensor) -> torch.Tensor:
         r"""A square root $S$ of the inverse metric applied to `z`: if $z \sim N(0, I)$ then

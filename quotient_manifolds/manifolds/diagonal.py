@@ -84,6 +84,15 @@ class DiagonalTangentSpace(TangentSpace):
         b = b.clamp_min(-0.5 + self.manifold.domain_margin)
         return self._join(b * self.u, b * self.v, u.dtype)
 
+    def outside_domain(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor | None:
+        r"""mix with the exact retraction: $b < -\tfrac12 + \delta$, coordinatewise (the
+        coordinates `clip_to_domain` moves; one per noise coordinate of `sample`); otherwise
+        `None`."""
+        kind = self.manifold.retraction if kind is None else kind
+        if self.metric != "mix" or kind != "exact":
+            return None
+        return self.horizontal_coefficient(u) < -0.5 + self.manifold.domain_margin
+
     @property
     def noise_shape(self) -> tuple[int, ...]:
         """`(..., d)`: one normal number per coordinate (the horizontal dimension)."""

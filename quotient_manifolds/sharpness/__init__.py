@@ -6,7 +6,7 @@ only through the tangent spaces ``M.at(x0)`` of the manifolds.
 
 from .apgd import APGDResult, apgd, checkpoints
 from .config import Geometry
-from .diagonal import diagonal_sharpness
+from .diagonal import DiagonalGeometry, DiagonalPopulation, diagonal_sharpness
 from .distributed import Shard
 from .engine import adaptive_sharpness, geodesic_sharpness, symmetries_of
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
@@ -21,6 +21,8 @@ __all__ = [
     "AdaptiveNormBall",
     "Average",
     "Box",
+    "DiagonalGeometry",
+    "DiagonalPopulation",
     "Ellipsoid",
     "FeasibleSet",
     "FeasibleSetManifold",

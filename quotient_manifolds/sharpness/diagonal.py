@@ -14,14 +14,15 @@ $$
 S^ρ(u, v) = \max_{\|A \odot b\|_2 \le ρ,\ b \in \mathcal D} L(R_{(u,v)}(bu, bv)) - L(u, v),
 $$
 
-with the perturbation ``R`` chosen by ``retraction`` (Eq. 5; Eq. 24):
+with the perturbation ``R`` chosen by the ``retraction`` of
+[`DiagonalGeometry`][quotient_manifolds.sharpness.diagonal.DiagonalGeometry] (Eq. 5; Eq. 24):
 
 * ``"exact"``: the closed-form geodesic, inv $β e^{2b}$, mix ``β (1 + 2b)``
   (the tangent space of [`DiagonalQuotient`][quotient_manifolds.manifolds.DiagonalQuotient]);
 * ``"second_order"``: ``w + ξ − ½Γ_w(ξ, ξ)`` (Eq. 5);
 * ``"first_order"``: ``w + ξ``, i.e. ``β(1 + b)²`` (App. G ablation (b)),
 
-and the ball weights ``A`` chosen by ``ball`` (§5.1, Eq. 6/7; App. E;
+and the ball weights ``A`` chosen by its ``ball`` (§5.1, Eq. 6/7; App. E;
 [√2 constants][sqrt2-constants]; App. G, H.2):
 
 | ``ball`` | inv | mix |
@@ -48,52 +49,77 @@ shrink radially" keeps both constraints.  Coordinates with ``u_i = 0`` or ``v_i 
 Adaptive sharpness (``measure="adaptive"``, Eq. 1) perturbs all ``2d`` weights:
 ``(u + |u| ⊙ z_u, v + |v| ⊙ z_v)`` with ``‖z‖₂ ≤ ρ``, i.e. ``‖δ ⊘ |w|‖₂ ≤ ρ``.
 
-The population is one batch of independent problems: the tangent vectors of all members are
-one ``(B, 2d)`` tensor of the product tangent space of ``DiagonalQuotient(...).at(x0)`` (resp.
-``AdaptiveEuclidean().at(w)``), the feasible set is the model engine's
-[`MetricBall`][quotient_manifolds.sharpness.feasible.MetricBall] (``ball="metric"``) or
-[`AdaptiveNormBall`][quotient_manifolds.sharpness.feasible.AdaptiveNormBall] with ``c = |w|``
-(``"adaptive"``; ``"coefficient"`` is the same ball at radius ``√2ρ``, since
-``‖ξ ⊘ |w|‖² = 2‖b‖²``), and the worst case is found by the model engine's Auto-PGD
-([`apgd`][quotient_manifolds.sharpness.apgd.apgd]), whose state has one entry per member. The
-average case draws ``ρ`` times a standard Gaussian of the ball's norm on the horizontal space;
-coordinates that leave the mix domain are redrawn (a truncated Gaussian).
+The population is one batch of independent problems,
+[`DiagonalPopulation`][quotient_manifolds.sharpness.diagonal.DiagonalPopulation]: the tangent
+vectors of all members are one ``(B, 2d)`` tensor of the product tangent space of
+``DiagonalQuotient(...).at(x0)`` (resp. ``AdaptiveEuclidean().at(w)``), the feasible set is the
+model engine's [`MetricBall`][quotient_manifolds.sharpness.feasible.MetricBall]
+(``ball="metric"``) or [`AdaptiveNormBall`][quotient_manifolds.sharpness.feasible.AdaptiveNormBall]
+with ``c = |w|`` (``"adaptive"``; ``"coefficient"`` is the same ball at radius ``√2ρ``, since
+``‖ξ ⊘ |w|‖² = 2‖b‖²``), and the solver is the model engine's: the worst case by
+[`APGD`][quotient_manifolds.sharpness.solvers.APGD] (Auto-PGD with one step size and best point
+per member, zero start plus random restarts), the average case by
+[`Average`][quotient_manifolds.sharpness.solvers.Average], whose samples are ``ρ`` times a
+standard Gaussian of the ball's norm on the horizontal space; in the mix domain the coordinates
+that leave it are redrawn (a truncated Gaussian, the feasible set's `sample`).
 
-**Unconstrained mix** (``domain=False``, exact mix only). The formula ``β' = β(1 + 2b)`` is a
-polynomial that can be continued past the geodesic's domain. Every ball above is diagonal in
-``b`` (``‖ξ‖² = Σ A_i² b_i²``, the weights ``A`` of the table), so with ``s = A ⊙ b`` and
-``D = diag(2β/A)``, ``β' = β + D s`` and the loss increase
+**Unconstrained mix** (``DiagonalGeometry(domain=False)``, exact mix only). The formula
+``β' = β(1 + 2b)`` is a polynomial that can be continued past the geodesic's domain. Every
+ball above is diagonal in ``b`` (``‖ξ‖² = Σ A_i² b_i²``, the weights ``A`` of the table), so
+with ``s = A ⊙ b`` and ``D = diag(2β/A)``, ``β' = β + D s`` and the loss increase
 ``f(s) = gᵀs + ½ sᵀ M s`` (``g = 2c D Xᵀ r``, ``M = 2c D XᵀX D``, ``r = Xβ − y``) is a convex
 quadratic on the ball ``‖s‖ ≤ ρ``: a trust-region problem, solved exactly
-(`mix_trust_region`: eigendecomposition of ``M`` and the secular equation, with the
-"hard case"). The average case then draws untruncated Gaussians.
+([`mix_trust_region`][quotient_manifolds.sharpness.diagonal.mix_trust_region]:
+eigendecomposition of ``M`` and the secular equation, with the "hard case"). The average case
+then draws untruncated Gaussians.
+
+```python
+from quotient_manifolds.sharpness import Average
+from quotient_manifolds.sharpness.diagonal import DiagonalGeometry, diagonal_sharpness
+
+mix = DiagonalGeometry(metric="mix", ball="coefficient")
+worst = diagonal_sharpness(u, v, X, y, rho=0.1, geometry=mix)          # (B,)
+avg = diagonal_sharpness(u, v, X, y, rho=0.1, geometry=mix, solver=Average(n=100),
+                         seed=[1000 + i for i in range(len(u))])      # one stream per member
+```
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..errors import InvalidRadiusError, ShapeError
+from ..errors import ShapeError
 from ..manifolds import AdaptiveEuclidean, DiagonalQuotient
-from ..manifolds.adaptive import AdaptiveTangentSpace
 from ..manifolds.base import RETRACTIONS
 from ..manifolds.diagonal import DiagonalTangentSpace
 from ..manifolds.product import ProductTangentSpace
-from .apgd import apgd
+from ..models.config import check_choice
+from .checks import check_rho
 from .feasible import AdaptiveNormBall, FeasibleSet, MetricBall
+from .solvers import APGD, Average
 
 __all__ = [
-    "BALLS",
+    "DIAGONAL_BALLS",
+    "DiagonalGeometry",
+    "DiagonalPopulation",
     "diagonal_loss",
     "diagonal_sharpness",
     "mix_trust_region",
     "perturb_horizontal",
 ]
 
-BALLS = ("metric", "coefficient", "adaptive")
+DIAGONAL_BALLS = ("metric", "coefficient", "adaptive")
+"""The radius conventions of
+[`DiagonalGeometry`][quotient_manifolds.sharpness.diagonal.DiagonalGeometry] (the table of
+[`diagonal`][quotient_manifolds.sharpness.diagonal])."""
+_MEASURES = ("geodesic", "adaptive")
+_REDUCTIONS = ("half_mean", "sum")
 
 
 def diagonal_loss(
@@ -123,31 +149,192 @@ def perturb_horizontal(
     for mix.  ``"second_order"`` gives inv ``β(1 + b + b²/2)²`` and mix
     ``β(1 + b − b²/2)²``; ``"first_order"`` gives ``β(1 + b)²`` for both metrics.
     """
-    if retraction not in RETRACTIONS:
-        raise ValueError(f"retraction must be one of {RETRACTIONS}, got {retraction!r}")
+    check_choice("retraction", retraction, RETRACTIONS)
     M = DiagonalQuotient(metric, retraction, validate=False)
     x = M.pack_point(u, v)
     return M.invariant(M.at(x).retract(M.pack_point(b * u, b * v)))
 
 
-def _check(u, v, X, rho, measure, kind, ball, metric, retraction) -> None:
-    if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho > 0):
-        raise InvalidRadiusError(f"rho must be a positive finite number, got {rho!r}")
+def _check_shapes(u: torch.Tensor, v: torch.Tensor, X: torch.Tensor) -> None:
     if u.shape != v.shape or u.ndim != 2 or X.ndim != 2 or X.shape[1] != u.shape[1]:
         raise ShapeError(
             f"expected u, v of shape (B, d) and X of shape (n, d); got u {tuple(u.shape)}, "
             f"v {tuple(v.shape)}, X {tuple(X.shape)}"
         )
-    if measure not in ("geodesic", "adaptive"):
-        raise ValueError(f"measure must be 'geodesic' or 'adaptive', got {measure!r}")
-    if kind not in ("worst", "average"):
-        raise ValueError(f"kind must be 'worst' or 'average', got {kind!r}")
-    if ball not in BALLS:
-        raise ValueError(f"ball must be one of {BALLS}, got {ball!r}")
-    if metric not in ("inv", "mix"):
-        raise ValueError(f"metric must be 'inv' or 'mix', got {metric!r}")
-    if retraction not in RETRACTIONS:
-        raise ValueError(f"retraction must be one of {RETRACTIONS}, got {retraction!r}")
+
+
+@dataclass(frozen=True)
+class DiagonalGeometry:
+    r"""The geodesic measure of a diagonal network: metric, perturbation, ball and domain.
+
+    The diagonal counterpart of [`Geometry`][quotient_manifolds.sharpness.config.Geometry];
+    frozen and validated, so one instance can be shared by many calls.
+
+    Attributes
+    ----------
+    metric : {"inv", "mix"}
+        The metric of [`DiagonalQuotient`][quotient_manifolds.manifolds.DiagonalQuotient]
+        (§5.1, Eq. 6 / Eq. 7).
+    retraction : {"exact", "second_order", "first_order"}
+        How ``(u, v)`` moves along ``ξ``: the closed-form geodesic (inv $β e^{2b}$, mix
+        ``β(1 + 2b)``, Eq. 24), ``w + ξ − ½Γ_w(ξ, ξ)`` (Eq. 5) or ``w + ξ`` (App. G ablation
+        (b)).
+    ball : {"metric", "coefficient", "adaptive"}
+        The radius convention ([`diagonal`][quotient_manifolds.sharpness.diagonal]): the metric
+        norm ``‖ξ‖_w ≤ ρ``, the coefficient ball ``‖b‖ ≤ ρ`` (App. E's inv convention) or the
+        adaptive norm ``‖ξ ⊘ |w|‖ ≤ ρ`` (App. G ablation (a)).
+    domain : bool
+        ``False`` (exact mix only): drop the domain constraint ``1 + 2b > 0`` and continue
+        ``β(1 + 2b)`` past it (the unconstrained mix); the worst case is then solved exactly by
+        [`mix_trust_region`][quotient_manifolds.sharpness.diagonal.mix_trust_region], the
+        average case draws untruncated Gaussians.
+    domain_margin : float
+        ``δ`` in the mix domain ``b ≥ −½ + δ``.
+    """
+
+    metric: str = "inv"
+    retraction: str = "exact"
+    ball: str = "metric"
+    domain: bool = True
+    domain_margin: float = 1e-6
+
+    def __post_init__(self) -> None:
+        check_choice("metric", self.metric, ("inv", "mix"))
+        check_choice("retraction", self.retraction, RETRACTIONS)
+        check_choice("ball", self.ball, DIAGONAL_BALLS)
+        if not (0.0 <= self.domain_margin < 0.5):
+            raise ValueError(f"domain_margin must be in [0, 0.5), got {self.domain_margin!r} "
+                             "(the mix domain is b ≥ −1/2 + domain_margin)")
+        if not self.domain and (self.metric != "mix" or self.retraction != "exact"):
+            raise ValueError(
+                "domain=False only applies to the exact mix geodesic (metric='mix', "
+                f"retraction='exact'), got metric={self.metric!r}, "
+                f"retraction={self.retraction!r}; drop domain=False for other geometries"
+            )
+
+    def replace(self, **changes: Any) -> DiagonalGeometry:
+        """A copy with `changes` applied (validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+class DiagonalPopulation:
+    r"""A population of diagonal networks as one batch of independent problems.
+
+    A [`BatchProblem`][quotient_manifolds.sharpness.solvers.BatchProblem] of the solvers
+    ([`APGD`][quotient_manifolds.sharpness.solvers.APGD],
+    [`Average`][quotient_manifolds.sharpness.solvers.Average]) with one problem per row of
+    ``u``, ``v``: the perturbation is one ``(B, D)`` tensor of the product tangent space (``D =
+    2d``: the horizontal ``(b ⊙ u, b ⊙ v)`` of the geodesic measure, or the perturbation of all
+    ``2d`` weights of the adaptive one), and `loss` is the loss increase of every member, so the
+    solvers' base loss is 0 and their best (or mean) loss is the sharpness.
+
+    Parameters
+    ----------
+    u, v : tensor ``(B, d)``
+        Trained factors; ``β = u ⊙ v``. Coordinates with ``u_i v_i = 0`` are masked (held at
+        their base value).
+    X, y : tensor ``(n, d)``, ``(n,)``
+        The batch the loss is measured on.
+    measure : {"geodesic", "adaptive"}
+        Geodesic sharpness (Eq. 4) over horizontal ``b``, or adaptive sharpness (Eq. 1) over
+        all ``2d`` weights, ``(u + δ_u, v + δ_v)`` with ``‖δ ⊘ |w|‖₂ ≤ ρ`` (``geometry`` is
+        then unused).
+    geometry : DiagonalGeometry, optional
+        Metric, retraction, ball and domain of the geodesic measure; default
+        ``DiagonalGeometry()`` (inv, exact geodesic, metric ball).
+    reduction : {"half_mean", "sum"}
+        Loss convention ([`diagonal_loss`][quotient_manifolds.sharpness.diagonal.diagonal_loss]).
+
+    Attributes
+    ----------
+    base_loss : tensor ``(B,)``
+        The loss of every member at ``ξ = 0``.
+    space : ProductTangentSpace
+        The tangent space of the perturbations, with problems ``(B,)``.
+    """
+
+    def __init__(self, u: torch.Tensor, v: torch.Tensor, X: torch.Tensor, y: torch.Tensor, *,
+                 measure: str = "geodesic", geometry: DiagonalGeometry | None = None,
+                 reduction: str = "half_mean") -> None:
+        _check_shapes(u, v, X)
+        check_choice("measure", measure, _MEASURES)
+        check_choice("reduction", reduction, _REDUCTIONS)
+        geometry = DiagonalGeometry() if geometry is None else geometry
+        if not isinstance(geometry, DiagonalGeometry):
+            raise TypeError(f"geometry must be a DiagonalGeometry, got {type(geometry).__name__}")
+        if measure == "adaptive" and not geometry.domain:
+            raise ValueError("domain=False only applies to the exact mix geodesic "
+                             "(measure='geodesic'), not to measure='adaptive'")
+        self.measure, self.geometry, self.reduction = measure, geometry, reduction
+        dt = torch.float64
+        u, v, X, y = (t.to(dt) for t in (u, v, X, y))
+        self.X, self.y, self.beta = X, y, u * v
+        self.base_loss = diagonal_loss(self.beta, X, y, reduction)
+        B, d = u.shape
+        self._d = d
+        if measure == "adaptive":
+            self._w = torch.cat([u, v], dim=-1)
+            self._ok = self._w != 0
+            w_safe = torch.where(self._ok, self._w, 1.0)
+            ts = AdaptiveEuclidean(0.0, "first_order", ndim=1, validate=False).at(w_safe)
+            self.space = ProductTangentSpace([ts], (B,))
+        else:
+            self._manifold, self._tangent, self.space, self._ok = _geodesic_space(u, v, geometry)
+
+    def feasible_set(self, rho: float) -> FeasibleSet:
+        """The ball of radius `rho` of every member (the ball convention of the geometry)."""
+        rho = check_rho(rho)
+        if self.measure == "adaptive":
+            return MetricBall(self.space, rho, self._ok)
+        return _geodesic_ball(self.space, self._tangent, rho, self.geometry.ball, self._ok)
+
+    def perturbed(self, xi: torch.Tensor) -> torch.Tensor:
+        """The predictors ``β`` `(B, d)` of the members moved along `xi` `(B, D)`; masked
+        coordinates stay at their base value."""
+        if self.measure == "adaptive":  # w + ξ (ξ = 0 on zero weights)
+            p = self._w + xi
+            return p[:, : self._d] * p[:, self._d:]
+        if not self.geometry.domain:  # β(1 + 2b) continued past 1 + 2b > 0
+            b = self._tangent.horizontal_coefficient(self.space.split(xi)[0])
+            return torch.where(self._ok, self.beta * (1 + 2 * b), self.beta)
+        (pt,) = self.space.retract(xi)
+        return torch.where(self._ok, self._manifold.invariant(pt), self.beta)
+
+    def loss(self, xi: torch.Tensor) -> torch.Tensor:
+        """The loss increase ``L(β(ξ)) − L(β)`` of every member, `(B,)` (differentiable in
+        `xi` when grad mode is on)."""
+        return diagonal_loss(self.perturbed(xi), self.X, self.y, self.reduction) - self.base_loss
+
+    def loss_and_grad(self, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`loss` and its gradient in `xi`; a non-finite increase is returned as −∞ (never a
+        best point) and the gradient through `torch.nan_to_num`."""
+        x = xi.detach().requires_grad_(True)
+        with torch.enable_grad():
+            val = self.loss(x)
+            (g,) = torch.autograd.grad(val.sum(), x)
+        val = val.detach()
+        return torch.where(torch.isfinite(val), val, -math.inf), torch.nan_to_num(g)
+
+
+def _generators(seed: int | Sequence[int] | None, B: int
+                ) -> torch.Generator | list[torch.Generator]:
+    """One generator seeded with `seed` (a fresh random seed if `None`), or one per row."""
+    if seed is None:
+        g = torch.Generator()
+        g.seed()
+        return g
+    if isinstance(seed, int):
+        return torch.Generator().manual_seed(seed)
+    gens = [torch.Generator().manual_seed(int(sd)) for sd in seed]
+    if len(gens) != B:
+        raise ShapeError(f"got {len(gens)} seeds for {B} rows; pass one seed per row of u, v "
+                         "(or one int for the whole population)")
+    return gens
+
+
+_DEFAULT_SOLVER = APGD(n_iter=100, restarts=3, seed=0)
+"""The default solver of `diagonal_sharpness`: Auto-PGD, 100 iterations, zero start plus 3
+random starts, seed 0."""
 
 
 # -- public entry point -----------------------------------------------------------------
@@ -159,19 +346,16 @@ def diagonal_sharpness(
     *,
     rho: float,
     measure: str = "geodesic",
-    metric: str = "inv",
-    retraction: str = "exact",
-    ball: str = "metric",
-    kind: str = "worst",
-    n_iter: int = 100,
-    n_restarts: int = 3,
-    n_samples: int = 100,
-    seed: int | Sequence[int] = 0,
+    geometry: DiagonalGeometry | None = None,
+    solver: APGD | Average | None = None,
+    seed: int | Sequence[int] | None = None,
     reduction: str = "half_mean",
-    domain_margin: float = 1e-6,
-    domain: bool = True,
 ) -> torch.Tensor:
     r"""Sharpness of a population of diagonal networks, one value per row of ``u``, ``v``.
+
+    The population is one
+    [`DiagonalPopulation`][quotient_manifolds.sharpness.diagonal.DiagonalPopulation], solved
+    for all members at once by the model engine's solver.
 
     Parameters
     ----------
@@ -183,105 +367,80 @@ def diagonal_sharpness(
         Radius.
     measure : {"geodesic", "adaptive"}
         Geodesic sharpness (Eq. 4) over horizontal ``b``, or adaptive sharpness (Eq. 1)
-        over all ``2d`` weights (``metric``, ``retraction``, ``ball`` are then unused).
-    metric : {"inv", "mix"}
-    retraction : {"exact", "second_order", "first_order"}
-    ball : {"metric", "coefficient", "adaptive"}
-        The radius convention (module docstring): the metric norm ``‖ξ‖_w ≤ ρ``, the
-        coefficient ball ``‖b‖ ≤ ρ`` (App. E's inv convention), or the adaptive norm
-        ``‖ξ ⊘ |w|‖ ≤ ρ`` (App. G ablation (a)).
-    kind : {"worst", "average"}
-        Auto-PGD maximum (``n_iter`` steps, zero start plus ``n_restarts`` random
-        starts) or the mean over ``n_samples`` Gaussian draws.
-    seed : int or sequence of int
-        Seed of the random starts / samples.  A sequence gives every row its own
-        generator, so a member's value does not depend on which other rows are
-        measured with it (what a cached, resumable population needs).
+        over all ``2d`` weights (``geometry`` is then unused).
+    geometry : DiagonalGeometry, optional
+        Metric, retraction, ball (radius convention) and mix domain of the geodesic measure
+        ([`DiagonalGeometry`][quotient_manifolds.sharpness.diagonal.DiagonalGeometry]); default
+        ``DiagonalGeometry()``: inv metric, exact geodesic, metric ball.
+    solver : APGD or Average, optional
+        The worst case by [`APGD`][quotient_manifolds.sharpness.solvers.APGD] (default
+        ``APGD(n_iter=100, restarts=3, seed=0)``: zero start plus 3 random starts) or the mean
+        over Gaussian draws by [`Average`][quotient_manifolds.sharpness.solvers.Average]
+        (e.g. ``Average(n=100)``). With ``geometry.domain=False`` the worst case is the exact
+        [`mix_trust_region`][quotient_manifolds.sharpness.diagonal.mix_trust_region] (the
+        solver's settings are then unused).
+    seed : int or sequence of int, optional
+        Seed of the random starts / samples; default: the solver's `seed` (a fresh random one
+        if that is `None` too).  A sequence gives every row its own generator, so a member's
+        value does not depend on which other rows are measured with it (what a cached,
+        resumable population needs).
     reduction : {"half_mean", "sum"}
-        Loss convention (`diagonal_loss`); it scales every value by the same factor.
-    domain_margin : float
-        ``δ`` in the mix domain ``b ≥ −½ + δ``.
-    domain : bool
-        ``False`` (exact mix only): drop the domain constraint ``1 + 2b > 0`` and continue
-        ``β(1 + 2b)`` past it (the unconstrained mix of the module docstring); the worst case
-        is then solved exactly by `mix_trust_region` (``n_iter``/``n_restarts``
-        unused), the average case draws untruncated Gaussians.
+        Loss convention ([`diagonal_loss`][quotient_manifolds.sharpness.diagonal.diagonal_loss]);
+        it scales every value by the same factor.
 
     Returns
     -------
     tensor ``(B,)``
         ``L(perturbed) − L(u, v)`` at the maximiser (worst) or averaged (average).
     """
-    _check(u, v, X, rho, measure, kind, ball, metric, retraction)
-    unconstrained = not domain
-    if unconstrained and (measure != "geodesic" or metric != "mix" or retraction != "exact"):
-        raise ValueError("domain=False only applies to the exact mix geodesic (measure="
-                         "'geodesic', metric='mix', retraction='exact')")
-    if unconstrained and kind == "worst":
-        return mix_trust_region(u, v, X, y, rho=rho, ball=ball, reduction=reduction)[0]
-    dt = torch.float64
-    u, v, X, y = (t.to(dt) for t in (u, v, X, y))
-    B, d = u.shape
-    base = diagonal_loss(u * v, X, y, reduction)
-    if isinstance(seed, int):
-        gens: torch.Generator | list[torch.Generator] = torch.Generator().manual_seed(seed)
-    else:
-        gens = [torch.Generator().manual_seed(int(sd)) for sd in seed]
-        if len(gens) != B:
-            raise ShapeError(f"got {len(gens)} seeds for {B} rows")
-
-    ts: AdaptiveTangentSpace | DiagonalTangentSpace
-    if measure == "adaptive":
-        w = torch.cat([u, v], dim=-1)
-        ok = w != 0
-        w_safe = torch.where(ok, w, 1.0)
-        ts = AdaptiveEuclidean(0.0, "first_order", ndim=1, validate=False).at(w_safe)
-        space = ProductTangentSpace([ts], (B,))
-        feasible: FeasibleSet = MetricBall(space, rho, ok)
-
-        def beta_of(xi):  # w + ξ (ξ = 0 on zero weights)
-            p = w + xi
-            return p[:, :d] * p[:, d:]
-    else:
-        M, dts, feasible, ok = _geodesic_set(u, v, rho, metric, retraction, ball,
-                                             domain_margin)
-        ts = dts
-        space = feasible.space
-        beta0 = u * v
-
-        def beta_of(xi):  # masked coordinates (u_i v_i = 0) stay at β_i
-            if unconstrained:  # β(1 + 2b) continued past 1 + 2b > 0
-                return torch.where(ok, beta0 * (1 + 2 * dts.horizontal_coefficient(
-                    space.split(xi)[0])), beta0)
-            (pt,) = space.retract(xi)
-            return torch.where(ok, M.invariant(pt), beta0)
-
-    def increase(xi):
-        return diagonal_loss(beta_of(xi), X, y, reduction) - base
-
-    if kind == "worst":
-        return _worst(increase, feasible, gens, n_iter, n_restarts)
-    in_domain = measure == "geodesic" and metric == "mix" and retraction == "exact" and domain
-    return _average(increase, feasible, ts, gens, n_samples, in_domain, domain_margin)
-
-
-def _geodesic_set(u: torch.Tensor, v: torch.Tensor, rho: float, metric: str, retraction: str,
-                  ball: str, domain_margin: float
-                  ) -> tuple[DiagonalQuotient, DiagonalTangentSpace, FeasibleSet, torch.Tensor]:
-    """The manifold, its tangent space at ``(u, v)`` (zeros replaced by 1), the feasible set of
-    ``ball`` on the horizontal vectors of the population and the mask ``u_i v_i ≠ 0``."""
+    rho = check_rho(rho)
+    solver = _DEFAULT_SOLVER if solver is None else solver
+    if not isinstance(solver, (APGD, Average)):
+        raise TypeError(f"solver must be APGD(...) or Average(...), got {type(solver).__name__} "
+                        "(a population is one batch of problems, which these two solve)")
+    pop = DiagonalPopulation(u, v, X, y, measure=measure, geometry=geometry, reduction=reduction)
     B = u.shape[0]
+    gens = _generators(solver.seed if seed is None else seed, B) if (
+        solver.random or seed is not None) else None
+    if not pop.geometry.domain and solver.kind == "worst":
+        return mix_trust_region(u, v, X, y, rho=rho, ball=pop.geometry.ball,
+                                reduction=reduction)[0]
+    best, _, _ = solver.solve(pop, pop.feasible_set(rho), torch.zeros(B, dtype=torch.float64),
+                             gens)
+    return best
+
+
+def _geodesic_space(u: torch.Tensor, v: torch.Tensor, geometry: DiagonalGeometry
+                    ) -> tuple[DiagonalQuotient, DiagonalTangentSpace, ProductTangentSpace,
+                               torch.Tensor]:
+    """The manifold, its tangent space at ``(u, v)`` (zeros replaced by 1), the product space of
+    the population and the mask ``u_i v_i ≠ 0``."""
     ok = (u != 0) & (v != 0)
-    M = DiagonalQuotient(metric, retraction, validate=False, domain_margin=domain_margin)
-    x0 = M.pack_point(torch.where(ok, u, 1.0), torch.where(ok, v, 1.0))
-    ts = M.at(x0)
-    space = ProductTangentSpace([ts], (B,), kinds=[retraction])
+    M = DiagonalQuotient(geometry.metric, geometry.retraction, validate=False,
+                         domain_margin=geometry.domain_margin)
+    ts = M.at(M.pack_point(torch.where(ok, u, 1.0), torch.where(ok, v, 1.0)))
+    # the unconstrained mix evaluates β(1 + 2b) itself, never a retraction: its space has no
+    # domain (the second-order retraction has none), so nothing clips or truncates b
+    kind = geometry.retraction if geometry.domain else "second_order"
+    return M, ts, ProductTangentSpace([ts], (u.shape[0],), kinds=[kind]), ok
+
+
+def _geodesic_ball(space: ProductTangentSpace, ts: DiagonalTangentSpace, rho: float, ball: str,
+                   ok: torch.Tensor) -> FeasibleSet:
+    """The feasible set of `ball` on the horizontal vectors of the population."""
     mask = torch.cat([ok, ok], dim=-1)
     if ball == "metric":
-        return M, ts, MetricBall(space, rho, mask), ok
+        return MetricBall(space, rho, mask)
     # ‖ξ ⊘ |w|‖² = 2‖b‖²: "coefficient" (‖b‖ ≤ ρ) is the adaptive ball of radius √2ρ
     r = rho * math.sqrt(2.0) if ball == "coefficient" else rho
-    return M, ts, AdaptiveNormBall(space, r, space.join([x0 * x0]), mask), ok
+    return AdaptiveNormBall(space, r, space.join([ts.x0 * ts.x0]), mask)
+
+
+def _geodesic_set(u: torch.Tensor, v: torch.Tensor, rho: float, geometry: DiagonalGeometry
+                  ) -> tuple[DiagonalQuotient, DiagonalTangentSpace, FeasibleSet, torch.Tensor]:
+    """The manifold, its tangent space, the feasible set of radius `rho` and the mask."""
+    M, ts, space, ok = _geodesic_space(u, v, geometry)
+    return M, ts, _geodesic_ball(space, ts, rho, geometry.ball, ok), ok
 
 
 def _coefficient_weights(feasible: FeasibleSet, ts: DiagonalTangentSpace) -> torch.Tensor:
@@ -311,7 +470,8 @@ def mix_trust_region(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Exact maximum of the unconstrained mix loss increase over the ball, per row.
 
-    Maximises ``f(s) = gᵀs + ½ sᵀMs`` over ``‖s‖₂ ≤ ρ`` (module docstring; ``s = A ⊙ b``
+    Maximises ``f(s) = gᵀs + ½ sᵀMs`` over ``‖s‖₂ ≤ ρ`` (the unconstrained mix of
+    [`diagonal`][quotient_manifolds.sharpness.diagonal]; ``s = A ⊙ b``
     with the weights of the ball's norm, masked coordinates held at 0). ``M ⪰ 0``, so the
     maximum lies on the sphere; with ``M = Q Λ Qᵀ`` and ``a = Qᵀg`` the maximiser is
     ``z = (μ − Λ)⁻¹ a`` with ``μ > λ_max`` solving ``‖z(μ)‖ = ρ`` (bisection on
@@ -325,13 +485,14 @@ def mix_trust_region(
         The maximal loss increase and the maximiser's horizontal coefficients ``b``
         (the perturbed predictor is ``β(1 + 2b)``).
     """
-    _check(u, v, X, rho, "geodesic", "worst", ball, "mix", "exact")
+    rho = check_rho(rho)
+    _check_shapes(u, v, X)
+    check_choice("reduction", reduction, _REDUCTIONS)
+    geometry = DiagonalGeometry("mix", "exact", ball, domain=False, domain_margin=0.0)
     dt = torch.float64
     u, v, X, y = (t.to(dt) for t in (u, v, X, y))
-    if reduction not in ("sum", "half_mean"):
-        raise ValueError(f"reduction must be 'sum' or 'half_mean', got {reduction!r}")
     c = 1.0 / (2 * X.shape[0]) if reduction == "half_mean" else 1.0
-    _, ts, feasible, ok = _geodesic_set(u, v, rho, "mix", "exact", ball, 0.0)
+    _, ts, feasible, ok = _geodesic_set(u, v, rho, geometry)
     radius = feasible.rho
     A = torch.where(ok, _coefficient_weights(feasible, ts).clamp_min(0).sqrt(), 1.0)
     beta = u * v
@@ -365,68 +526,3 @@ def mix_trust_region(
     value = (a * z).sum(-1) + 0.5 * (lam * z * z).sum(-1)
     s = torch.einsum("bij,bj->bi", Q, z)
     return value, torch.where(ok, s / A, 0.0)
-
-
-def _worst(increase, feasible: FeasibleSet, gens, n_iter: int, n_restarts: int) -> torch.Tensor:
-    def objective(xi):
-        x = xi.detach().requires_grad_(True)
-        val = increase(x)
-        (g,) = torch.autograd.grad(val.sum(), x)
-        val = val.detach()
-        return torch.where(torch.isfinite(val), val, -math.inf), torch.nan_to_num(g)
-
-    inits = []
-    for _ in range(n_restarts):  # random starts at half the radius
-        z = feasible.sample(gens)
-        n = feasible.norm(z)
-        inits.append(z * (0.5 * feasible.rho / n.clamp_min(torch.finfo(z.dtype).tiny))[:, None])
-    zero = torch.zeros(feasible.problems, dtype=feasible.space.dtype)
-    best = zero
-    for init in (None, *inits):
-        best = torch.maximum(best, apgd(objective, feasible, zero, n_iter=n_iter,
-                                        init=init).best_loss)
-    return best
-
-
-def _average(increase, feasible: FeasibleSet, ts, gens, n_samples: int, domain: bool,
-             margin: float) -> torch.Tensor:
-    """Mean increase over Gaussian perturbations of the ball's norm; in the mix domain, the
-    coordinates that leave it are redrawn (a truncated Gaussian, at most 50 times)."""
-    per_row = not isinstance(gens, torch.Generator)
-    shape = ts.noise_shape
-
-    def noise(rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Standard normals; with per-row seeds, only ``rows`` draw (the others are 0)."""
-        if not per_row:
-            return torch.randn(shape, generator=gens, dtype=ts.x0.dtype)
-        out = torch.zeros(shape, dtype=ts.x0.dtype)
-        for i, g in enumerate(gens):
-            if rows is None or bool(rows[i]):
-                out[i] = torch.randn(shape[1:], generator=g, dtype=ts.x0.dtype)
-        return out
-
-    mask = feasible.mask
-    assert mask is not None  # both feasible sets of this module are built with a mask
-
-    def to_tangent(z: torch.Tensor) -> torch.Tensor:
-        if isinstance(feasible, AdaptiveNormBall):
-            xi = ts.sample_weighted(feasible.space.split(feasible.w2)[0], noise=z)
-        else:
-            xi = ts.sample(noise=z)
-        return feasible.space.join([xi]) * feasible.rho * mask
-
-    total = torch.zeros(feasible.problems, dtype=ts.x0.dtype)
-    with torch.no_grad():
-        for _ in range(n_samples):
-            z = noise()
-            xi = to_tangent(z)
-            if domain:
-                for _ in range(50):  # redraw the coordinates outside the domain
-                    bad = ts.horizontal_coefficient(feasible.space.split(xi)[0]) < -0.5 + margin
-                    if not bool(bad.any()):
-                        break
-                    z = torch.where(bad, noise(rows=bad.any(-1)), z)
-                    xi = to_tangent(z)
-                xi = feasible.space.clip_to_domain(xi)
-            total += increase(xi)
-    return total / n_samples

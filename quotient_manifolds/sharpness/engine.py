@@ -35,12 +35,12 @@ from torch import nn
 from ..errors import (
     DetachedLossError,
     EmptyDataError,
-    InvalidRadiusError,
     NonFiniteError,
     SingleBatchError,
 )
 from ..models import ModelGeometry, Symmetries, discover
 from ..models.model_geometry import ParamSelection, RowLayout
+from .checks import check_rho
 from .config import Geometry
 from .distributed import Evaluator, Shard, resolve_shard
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
@@ -90,19 +90,6 @@ class _Evaluator:
             raise TypeError("loss_fn(model, batch) must return a scalar tensor")
         return loss.reshape(()).float() if loss.dtype in (torch.float16, torch.bfloat16) else (
             loss.reshape(()))
-
-
-def _check_rho(rho: float) -> float:
-    try:
-        r = float(rho)
-    except (TypeError, ValueError):
-        r = float("nan")
-    if not (r > 0 and math.isfinite(r)):
-        raise InvalidRadiusError(
-            f"rho must be a positive finite number, got {rho!r}; pass e.g. rho=0.1 "
-            "(the radius of the perturbation ball ‖ξ‖ ≤ ρ)"
-        )
-    return r
 
 
 def _check_data(data) -> None:
@@ -356,7 +343,7 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
                              horizontal=bool(geo.groups))
     ctx.check_same(geo.base_points)
     gen = None
-    if isinstance(solver, Average):
+    if isinstance(solver, (APGD, Average)) and solver.random:  # samples or random starts
         gen = torch.Generator()
         gen.manual_seed(ctx.common_seed(solver.seed))
     ev = ctx.evaluator(_Evaluator(model, loss_fn))
@@ -371,13 +358,14 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
         with _eval_mode(model), torch.enable_grad():
             for b, batch in enumerate(data):
                 if not ctx.owns(b):  # shard="batches": another rank solves this batch
-                    if isinstance(solver, Average):  # keep the samples of later batches
-                        solver.skip(feasible, gen)
+                    if gen is not None and isinstance(solver, (APGD, Average)):
+                        solver.skip(feasible, gen)  # keep the draws of later batches in step
                     continue
                 with torch.no_grad():
                     base = _finite(float(ev(geo.base, batch)), b, "at the unperturbed weights")
                 prob = _BatchProblem(geo, ev, batch, b)
-                best, xi, evals = solver.solve(prob, feasible, base, gen)
+                best_t, xi, evals = solver.solve(prob, feasible, base, gen)
+                best = float(best_t)
                 nrm = {} if xi is None else {k: float(v) for k, v in feasible.norms(xi).items()}
                 n_evals += evals
                 per.append(best - base)
@@ -468,9 +456,9 @@ def geodesic_sharpness(
         ([`Geometry`][quotient_manifolds.sharpness.config.Geometry]); default `Geometry()`: the
         full symmetry group, second-order retraction (Eq. 5), metric ball.
     solver : APGD, Average or GeooptSolver, optional
-        How the inner problem is solved: `APGD()` (worst case, default), `Average(seed=…)`
-        (Gaussian average case) or `GeooptSolver(factory)` (a geoopt optimizer). Progress bars:
-        `APGD(progress=True)`.
+        How the inner problem is solved: `APGD()` (worst case, default; `APGD(restarts=3,
+        seed=…)` adds random starts), `Average(seed=…)` (Gaussian average case) or
+        `GeooptSolver(factory)` (a geoopt optimizer). Progress bars: `APGD(progress=True)`.
     params : names, tensors, dict or predicate, optional
         The perturbed parameters: names, parameter tensors, a dict `{name: parameter}` or a
         predicate `(name, param) -> bool`. Default: the parameters with `requires_grad=True`
@@ -484,7 +472,7 @@ def geodesic_sharpness(
     -------
     SharpnessResult
     """
-    r = _check_rho(rho)
+    r = check_rho(rho)
     geometry = Geometry() if geometry is None else geometry
     if metric is not None:
         geometry = geometry.replace(metric=metric)
@@ -530,5 +518,5 @@ def adaptive_sharpness(
     geometry = Geometry() if geometry is None else geometry
     geometry = geometry.replace(metric=None, ball="ellipsoid" if norm == "l2" else "box",
                                 blocks=None, declared=())
-    return _sharpness(model, loss_fn, data, _check_rho(rho), geometry, _solver(solver, n_iter),
+    return _sharpness(model, loss_fn, data, check_rho(rho), geometry, _solver(solver, n_iter),
                       params, shard)

@@ -20,9 +20,12 @@ projection. The ellipsoid and the box are the reference adaptive-sharpness algor
 Andriushchenko et al. (2023); they have no horizontal constraint and are used without GL blocks.
 
 Every set offers `project`, `direction` (the normalised steepest-ascent direction of the set's
-norm), `rgrad` (the unnormalised one: the gradient in `inner`), `proju`, `inner`, `norm`, `norms`
-and `sample` (the Gaussian of the average case, at radius $\rho$). `mask` (0/1, shaped like a
-tangent vector) freezes entries at 0.
+norm), `rgrad` (the unnormalised one: the gradient in `inner`), `proju`, `inner`, `norm`, `norms`,
+`sample` (the Gaussian of the average case, at radius $\rho$; truncated to the domain of the
+space's retractions where they have one, the exact mix geodesic of diagonal nets) and
+`random_start` (a random start of Auto-PGD, at radius $\rho/2$). `mask` (0/1, shaped like a
+tangent vector) freezes entries at 0. A sequence of generators, one per problem, gives every
+problem its own random stream.
 """  # noqa: E501
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import TypeVar
 
 import torch
 
-from ..manifolds.base import Generator, standard_normal
+from ..manifolds.base import Generator, TangentSpace, standard_normal
 from ..manifolds.product import ProductTangentSpace
 
 __all__ = ["BALLS", "FeasibleSet", "MetricBall", "AdaptiveNormBall", "Ellipsoid", "Box",
@@ -163,8 +166,24 @@ class FeasibleSet:
         return self.project(self._axpy(xi, d, eta, inplace))
 
     def sample(self, generator: Generator = None) -> torch.Tensor:
-        """A random perturbation of the average case, at radius `rho`."""
+        """A random perturbation of the average case, at radius `rho`, inside the domain of the
+        space's retractions."""
         raise NotImplementedError
+
+    def _start_draw(self, generator: Generator) -> torch.Tensor:
+        """The random vector that `random_start` shrinks (`sample`, unless a set says otherwise)."""
+        return self.sample(generator)
+
+    def random_start(self, generator: Generator = None) -> torch.Tensor:
+        r"""A random start of Auto-PGD: a draw of the average case's distribution, shrunk radially
+        to half the radius, $\xi \rho / (2 \|\xi\|)$ per problem.
+
+        The draw is not truncated to the domain of the retraction:
+        [`apgd`][quotient_manifolds.sharpness.apgd.apgd] projects its start onto the set.
+        """
+        z = self._start_draw(generator)
+        n = self.norm(z)
+        return self._scale(z, 0.5 * self.rho / n.clamp_min(torch.finfo(z.dtype).tiny))
 
     def restrict(self: _Set, space: ProductTangentSpace,
                  take: Callable[[torch.Tensor], torch.Tensor]) -> _Set:
@@ -183,12 +202,69 @@ class FeasibleSet:
         return new
 
 
+def _redraw(z: torch.Tensor, generator: Generator, bad: torch.Tensor) -> torch.Tensor:
+    """Fresh standard normals shaped like `z`: all of them from one generator; from one
+    generator per problem, only the problems (entries of the first dimension) with a `bad`
+    coordinate draw, the others are 0."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return standard_normal(z.shape, generator, z.dtype, z.device)
+    out = torch.zeros_like(z)
+    rows = bad.reshape(bad.shape[0], -1).any(-1)
+    for i, g in enumerate(generator):
+        if bool(rows[i]):
+            out[i] = torch.randn(z.shape[1:], generator=g, dtype=z.dtype).to(z.device)
+    return out
+
+
 class _HorizontalBall(FeasibleSet):
     """A ball of an inner product, intersected with the horizontal space (exact projection:
     orthogonal projection onto the subspace, then radial shrink)."""
 
+    redraws = 50
+    """The most redraws of the truncated Gaussian (`sample`) before the rest is clipped."""
+
     def _proj(self, u: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _from_noise(self, noise: Sequence[torch.Tensor]) -> torch.Tensor:
+        r"""The sample of the standard normal `noise` (one tensor per factor of the space, of its
+        `noise_shape`): $\rho$ times the set's standard Gaussian on the horizontal space."""
+        raise NotImplementedError
+
+    def _gaussian(self, generator: Generator) -> torch.Tensor:
+        r"""$\rho$ times the set's standard Gaussian, not truncated."""
+        raise NotImplementedError
+
+    def _start_draw(self, generator: Generator) -> torch.Tensor:
+        return self._gaussian(generator)
+
+    def sample(self, generator: Generator = None) -> torch.Tensor:
+        r"""$\rho$ times the set's standard Gaussian on the horizontal space, truncated to the
+        domain of the space's retractions.
+
+        Where a factor's retraction has a domain (the exact mix geodesic $\beta(1 + 2b)$ of
+        diagonal nets needs $b \ge -\tfrac12 + \delta$), the noise coordinates whose part of the
+        sample leaves it are redrawn, at most `redraws` times, and what is still outside is
+        clipped (`clip_to_domain`). With one generator per problem, only the problems with a
+        coordinate outside draw again, so a problem's sample does not depend on the others.
+        """
+        spaces = self.space.spaces
+        if all(type(s).outside_domain is TangentSpace.outside_domain for s in spaces):
+            return self._gaussian(generator)
+        zs = [standard_normal(s.noise_shape, generator, s.x0.dtype, s.x0.device) for s in spaces]
+        xi = self._from_noise(zs)
+        kinds = self.space.kinds
+        for _ in range(self.redraws):
+            bads = [s.outside_domain(part, k)
+                    for s, part, k in zip(spaces, self.space.split(xi), kinds, strict=True)]
+            if all(b is None for b in bads):  # no factor's retraction has a domain
+                return xi
+            if not any(bool(b.any()) for b in bads if b is not None):
+                break
+            zs = [z if b is None else torch.where(b, _redraw(z, generator, b), z)
+                  for z, b in zip(zs, bads, strict=True)]
+            xi = self._from_noise(zs)
+        return self.space.clip_to_domain(xi)
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:
         return self._masked(self._proj(self._masked(u)))
@@ -239,8 +315,12 @@ class MetricBall(_HorizontalBall):
         r, n2 = self.space.egrad2rgrad_and_norm2(egrad)
         return self._normalise(r, n2.clamp_min(0).sqrt(), inplace=True)
 
-    def sample(self, generator: Generator = None) -> torch.Tensor:
+    def _gaussian(self, generator: Generator) -> torch.Tensor:
         return self._masked(self.space.sample(generator)) * self.rho
+
+    def _from_noise(self, noise: Sequence[torch.Tensor]) -> torch.Tensor:
+        parts = [s.sample(noise=z) for s, z in zip(self.space.spaces, noise, strict=True)]
+        return self._masked(self.space.join(parts)) * self.rho
 
 
 class AdaptiveNormBall(_HorizontalBall):
@@ -288,8 +368,13 @@ class AdaptiveNormBall(_HorizontalBall):
     def rgrad(self, egrad: torch.Tensor) -> torch.Tensor:
         return self.proju(self.w2 * egrad)
 
-    def sample(self, generator: Generator = None) -> torch.Tensor:
+    def _gaussian(self, generator: Generator) -> torch.Tensor:
         return self._masked(self.space.sample_weighted(self.w2, generator)) * self.rho
+
+    def _from_noise(self, noise: Sequence[torch.Tensor]) -> torch.Tensor:
+        parts = [s.sample_weighted(w, noise=z) for s, w, z in
+                 zip(self.space.spaces, self.space.split(self.w2), noise, strict=True)]
+        return self._masked(self.space.join(parts)) * self.rho
 
     def restrict(self: _Set, space: ProductTangentSpace,
                  take: Callable[[torch.Tensor], torch.Tensor]) -> _Set:

@@ -1,7 +1,7 @@
 r"""Solvers of the inner problem of a sharpness measure, one per batch.
 
 * [`APGD`][quotient_manifolds.sharpness.solvers.APGD]: the worst case by Auto-PGD with the
-  reference settings (the default);
+  reference settings (the default), optionally with random restarts;
 * [`Average`][quotient_manifolds.sharpness.solvers.Average]: the average case, the mean loss over
   Gaussian perturbations of the feasible set's geometry;
 * [`GeooptSolver`][quotient_manifolds.sharpness.solvers.GeooptSolver]: the worst case by any
@@ -12,6 +12,13 @@ r"""Solvers of the inner problem of a sharpness measure, one per batch.
 
 Every solver records its own settings only (its `settings()`); `progress=True` shows a tqdm bar
 over the batches.
+
+A solver's `solve(problem, feasible, base_loss, generator)` works on one
+[`BatchProblem`][quotient_manifolds.sharpness.solvers.BatchProblem] and returns the best (or mean)
+loss with one value per problem of the feasible set: a 0-dimensional tensor for one model (the
+engine's batches), a `(B,)` tensor for a batch of independent problems (a population of diagonal
+networks, [`diagonal_sharpness`][quotient_manifolds.sharpness.diagonal.diagonal_sharpness]).
+`APGD` and `Average` accept such batches; `generator` may then be one generator per problem.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from typing import ClassVar, Protocol
 import geoopt
 import torch
 
-from ..errors import InvalidRadiusError
-from .apgd import apgd
+from ..manifolds.base import Generator
+from .apgd import APGDResult, Layout, Objective, _select, apgd
+from .checks import check_rho
 from .feasible import FeasibleSet
 
 __all__ = ["APGD", "Average", "GeooptSolver", "FeasibleSetManifold", "BatchProblem", "SOLVERS"]
@@ -33,6 +41,10 @@ __all__ = ["APGD", "Average", "GeooptSolver", "FeasibleSetManifold", "BatchProbl
 
 class BatchProblem(Protocol):
     """What a solver needs from the loss of one batch.
+
+    The loss has one value per problem of the feasible set (`feasible.problems`): a scalar for
+    one model, a `(B,)` tensor for a batch of independent problems, each entry depending only on
+    its own row of the perturbation `(*problems, D)`.
 
     A problem may also offer `active(feasible)`, which returns `None` or an objective with a
     [`Layout`][quotient_manifolds.sharpness.apgd.Layout] on which APGD started at ξ = 0 runs
@@ -47,9 +59,10 @@ class BatchProblem(Protocol):
         """Loss at the perturbation `xi`, differentiable in `xi` when grad mode is on."""
 
 
-def _positive(name: str, n) -> int:
-    if int(n) < 1 or int(n) != n:
-        raise ValueError(f"{name} must be a positive integer, got {n!r}")
+def _positive(name: str, n, minimum: int = 1) -> int:
+    if int(n) < minimum or int(n) != n:
+        kind = "a positive" if minimum == 1 else "a non-negative"
+        raise ValueError(f"{name} must be {kind} integer, got {n!r}")
     return int(n)
 
 
@@ -73,7 +86,15 @@ class APGD:
         Run the iterations on the adaptive rows whose gradient has ever been non-zero (e.g.
         the embedding rows of the tokens a batch reads), where the problem offers it: the same
         iterates up to the order of summation in the norms, with less work per iteration. The
-        maximiser is returned in the full packing either way.
+        maximiser is returned in the full packing either way (random restarts run on the full
+        packing).
+    restarts : int
+        Random restarts after the run from $\xi = 0$: each starts at the feasible set's
+        `random_start` (a Gaussian draw of the average case at radius $\rho/2$, projected onto
+        the set) and runs `n_iter` iterations; the best loss over all runs is kept, per problem.
+        0 (the reference settings): the zero start only.
+    seed : int, optional
+        Seed of the random starts (a fresh random one if `None`); unused without restarts.
     """
 
     n_iter: int = 20
@@ -82,10 +103,18 @@ class APGD:
     step_mult: float = 1.0
     progress: bool = False
     active_set: bool = True
+    restarts: int = 0
+    seed: int | None = None
     kind: ClassVar[str] = "worst"
 
     def __post_init__(self) -> None:
         _positive("n_iter", self.n_iter)
+        _positive("restarts", self.restarts, minimum=0)
+
+    @property
+    def random(self) -> bool:
+        """Whether `solve` draws random numbers (the random starts)."""
+        return self.restarts > 0
 
     def with_iterations(self, n: int) -> APGD:
         """A copy with `n_iter = n`."""
@@ -93,19 +122,43 @@ class APGD:
 
     def settings(self) -> dict:
         """The settings of this solver, for the result."""
-        return {"solver": "apgd", "n_iter": self.n_iter, "step_size": f"2ρ·{self.step_mult:g}",
-                "momentum": self.momentum, "momentum_form": self.momentum_form, "init": "zero"}
+        out = {"solver": "apgd", "n_iter": self.n_iter, "step_size": f"2ρ·{self.step_mult:g}",
+               "momentum": self.momentum, "momentum_form": self.momentum_form, "init": "zero"}
+        if self.restarts:
+            out.update(init=f"zero + {self.restarts} random starts at ρ/2",
+                       restarts=self.restarts, seed=self.seed)
+        return out
 
-    def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
-              generator: torch.Generator | None = None) -> tuple[float, torch.Tensor, int]:
-        """`(best loss, maximiser, loss evaluations)` of one batch."""
+    def _run(self, objective: Objective, feasible: FeasibleSet,
+             base_loss: float | torch.Tensor, init: torch.Tensor | None = None,
+             layout: Layout | None = None) -> APGDResult:
+        return apgd(objective, feasible, base_loss, n_iter=self.n_iter, init=init,
+                    momentum=self.momentum, momentum_form=self.momentum_form,
+                    step_mult=self.step_mult, layout=layout)
+
+    def solve(self, problem: BatchProblem, feasible: FeasibleSet,
+              base_loss: float | torch.Tensor, generator: Generator = None
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`(best loss, maximiser, loss evaluations)` of one batch; the best loss has one value
+        per problem, the random starts come from `generator`."""
         active = getattr(problem, "active", None)
         act = active(feasible) if active is not None and self.active_set else None
-        res = apgd(problem.loss_and_grad if act is None else act, feasible, base_loss,
-                   n_iter=self.n_iter, momentum=self.momentum,
-                   momentum_form=self.momentum_form, step_mult=self.step_mult, layout=act)
+        res = self._run(problem.loss_and_grad if act is None else act, feasible, base_loss,
+                        layout=act)
+        best = res.best_loss
         xi = res.best_xi if act is None else act.expand(res.best_xi)
-        return float(res.best_loss), xi, self.n_iter
+        for _ in range(self.restarts):
+            run = self._run(problem.loss_and_grad, feasible, base_loss,
+                            init=feasible.random_start(generator))
+            better = run.best_loss > best
+            best = torch.where(better, run.best_loss, best)
+            xi = _select(better, run.best_xi, xi)
+        return best, xi, self.n_iter * (1 + self.restarts)
+
+    def skip(self, feasible: FeasibleSet, generator: Generator) -> None:
+        """Draw the random starts of a batch solved elsewhere (keeps the generator in step)."""
+        for _ in range(self.restarts):
+            feasible.random_start(generator)
 
 
 @dataclass(frozen=True)
@@ -114,7 +167,9 @@ class Average:
 
     The perturbations are the feasible set's `sample`s: $\rho$ times a standard Gaussian of the
     metric on the horizontal space (metric ball), of the adaptive norm (adaptive-norm ball),
-    $\rho\, c \odot N(0, I)$ (ellipsoid) or $\rho\, c \odot U(-1, 1)$ (box).
+    $\rho\, c \odot N(0, I)$ (ellipsoid) or $\rho\, c \odot U(-1, 1)$ (box); the Gaussians are
+    truncated to the domain of the retraction where it has one (the exact mix geodesic of
+    diagonal nets). The mean has one value per problem.
 
     Attributes
     ----------
@@ -130,6 +185,8 @@ class Average:
     seed: int | None = None
     progress: bool = False
     kind: ClassVar[str] = "average"
+    random: ClassVar[bool] = True
+    """`solve` draws random numbers (the samples)."""
 
     def __post_init__(self) -> None:
         _positive("n", self.n)
@@ -141,15 +198,19 @@ class Average:
     def settings(self) -> dict:
         return {"solver": "average", "n_samples": self.n, "seed": self.seed}
 
-    def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
-              generator: torch.Generator | None = None) -> tuple[float, None, int]:
-        vals = []
+    def solve(self, problem: BatchProblem, feasible: FeasibleSet,
+              base_loss: float | torch.Tensor, generator: Generator = None
+              ) -> tuple[torch.Tensor, None, int]:
+        """`(mean loss, None, loss evaluations)` of one batch, one mean per problem (summed in
+        float64 on the host, in the order of the samples, whatever the loss's device)."""
+        total = torch.zeros(feasible.problems, dtype=torch.float64)
         with torch.no_grad():
             for _ in range(self.n):
-                vals.append(float(problem.loss(feasible.sample(generator))))
-        return sum(vals) / len(vals), None, self.n
+                loss = problem.loss(feasible.sample(generator)).detach()
+                total += torch.tensor(loss.tolist(), dtype=torch.float64)
+        return total / self.n, None, self.n
 
-    def skip(self, feasible: FeasibleSet, generator: torch.Generator | None) -> None:
+    def skip(self, feasible: FeasibleSet, generator: Generator) -> None:
         """Draw the samples of a batch solved elsewhere (keeps the generator in step)."""
         for _ in range(self.n):
             feasible.sample(generator)
@@ -180,6 +241,8 @@ class GeooptSolver:
     n_iter: int = 20
     progress: bool = False
     kind: ClassVar[str] = "worst"
+    random: ClassVar[bool] = False
+    """`solve` draws no random numbers."""
 
     def __post_init__(self) -> None:
         _positive("n_iter", self.n_iter)
@@ -190,8 +253,10 @@ class GeooptSolver:
     def settings(self) -> dict:
         return {"solver": "geoopt", "optimizer": repr(self.factory), "n_iter": self.n_iter}
 
-    def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
-              generator: torch.Generator | None = None) -> tuple[float, torch.Tensor, int]:
+    def solve(self, problem: BatchProblem, feasible: FeasibleSet,
+              base_loss: float | torch.Tensor, generator: Generator = None
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`(best loss, maximiser, loss evaluations)` of one batch (one problem only)."""
         p = geoopt.ManifoldParameter(feasible.zeros(), manifold=FeasibleSetManifold(feasible))
         opt = self.factory([p])
         best, best_xi = float(base_loss), feasible.zeros()
@@ -205,7 +270,7 @@ class GeooptSolver:
                 break
             (-loss).backward()  # geoopt minimises
             opt.step()
-        return best, best_xi, self.n_iter + 1
+        return torch.tensor(best, dtype=torch.float64), best_xi, self.n_iter + 1
 
 
 SOLVERS = (APGD, Average, GeooptSolver)
@@ -226,8 +291,7 @@ class FeasibleSetManifold(geoopt.manifolds.Manifold):
 
     def __init__(self, feasible: FeasibleSet, shape: tuple[int, ...] | None = None) -> None:
         super().__init__()
-        if not (feasible.rho > 0 and feasible.rho < float("inf")):
-            raise InvalidRadiusError(f"radius must be positive and finite, got {feasible.rho}")
+        check_rho(feasible.rho, "radius")
         self.feasible = feasible
         self.shape = None if shape is None else tuple(shape)
         if self.shape is not None:
@@ -311,9 +375,7 @@ class FeasibleSetManifold(geoopt.manifolds.Manifold):
 
     def random(self, *size: int | tuple[int], dtype: torch.dtype | None = None,
                device: torch.device | str | None = None) -> geoopt.ManifoldTensor:
-        """A random point of the set: a sample, shrunk to half the radius."""
-        z = self.feasible.sample(None)
-        n = self.feasible.norm(z)
-        scale = 0.5 * self.radius / n.clamp_min(torch.finfo(z.dtype).tiny)
-        z = z * (scale if scale.dim() == 0 else scale.unsqueeze(-1))
+        """A random point of the set: the feasible set's `random_start` (a sample, shrunk to half
+        the radius)."""
+        z = self.feasible.random_start(None)
         return geoopt.ManifoldTensor(self._back(z), manifold=self)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidRadiusError
 from ..manifolds.base import QuotientManifold
 from ..manifolds.product import ProductTangentSpace
+from .checks import check_rho
 from .feasible import MetricBall
 from .solvers import FeasibleSetManifold
 
@@ -47,9 +47,7 @@ class TangentBall(FeasibleSetManifold):
 
     def __init__(self, manifold: QuotientManifold, base_point: torch.Tensor,
                  radius: float) -> None:
-        radius = float(radius)
-        if not (radius > 0 and radius < float("inf")):
-            raise InvalidRadiusError(f"radius must be positive and finite, got {radius}")
+        radius = check_rho(radius, "radius")
         base_point = base_point.detach()
         super().__init__(self._ball(manifold, base_point, radius), shape=base_point.shape)
         self.manifold = manifold
