@@ -371,6 +371,20 @@ class BlockSpec:
             A = a * A
         return A
 
+    def lie_dim(self, params: Mapping[str, torch.Tensor] | None = None) -> int:
+        r"""Coordinates of `act_at`: an $h \times h$ matrix per head (projected onto the
+        subalgebra of a subgroup, so then redundant)."""
+        return self.heads * self.h * self.h
+
+    def act_at(self, params: Mapping[str, torch.Tensor], theta: torch.Tensor
+               ) -> dict[str, torch.Tensor]:
+        r"""`params` moved by $A_i = \exp(X_i)$ per head, $X_i$ the `(h, h)` slices of `theta`
+        (projected onto the block's subalgebra); differentiable in `theta`."""
+        X = theta.reshape(self.heads, self.h, self.h)
+        if self.group is not None:
+            X = self.group.project(X)
+        return self.apply_element(params, torch.linalg.matrix_exp(X))
+
     def act(self, params: Mapping[str, torch.Tensor], generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:
         """`params` moved by a random element of the block's group

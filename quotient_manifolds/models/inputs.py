@@ -22,6 +22,7 @@ from ..tree import tree_map
 __all__ = [
     "INPUT_BUILDERS",
     "InputBuilder",
+    "capture_inputs",
     "cast_inputs",
     "example_inputs",
     "float_dtype",
@@ -280,6 +281,34 @@ def normalize_inputs(inputs: Any) -> tuple[tuple, dict]:
         f"example_inputs must be a tensor, a tuple of positional arguments, a dict of keyword "
         f"arguments or an (args, kwargs) pair, got {type(inputs).__name__}"
     )
+
+
+class _Captured(Exception):
+    pass
+
+
+def capture_inputs(model: nn.Module, loss_fn: Callable[[nn.Module, Any], Any], batch: Any
+                   ) -> tuple[tuple, dict] | None:
+    """The inputs `(args, kwargs)` with which `loss_fn(model, batch)` calls `model`: a forward
+    pre-hook records them and stops the forward, so the model does not run. `None` if the loss
+    does not call `model` itself, or fails before it does."""
+    call: list[tuple[tuple, dict]] = []
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        call.append((args, kwargs))
+        raise _Captured
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            loss_fn(model, batch)
+    except _Captured:
+        pass
+    except Exception:  # noqa: BLE001 -- the loss fails later with its own, clearer error
+        return None
+    finally:
+        handle.remove()
+    return call[0] if call else None
 
 
 def cast_inputs(inputs: Any, dtype: torch.dtype, device: torch.device | None = None

@@ -113,6 +113,18 @@ class Fold:
         """Boolean masks of the entries that `apply` fixes (they depend on no value)."""
         return {}
 
+    def lie_dim(self, params: Params) -> int:
+        r"""The number of coordinates $\theta$ of `act_at` (the dimension of the group, or more
+        with redundant coordinates)."""
+        raise NotImplementedError
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`params` moved by the group element of coordinates `theta` (`(lie_dim,)`; `0` is the
+        identity), differentiable in `theta` and `params`: its derivative at `theta = 0` spans
+        the tangent space of the orbit (what
+        [`audit`][quotient_manifolds.models.audit.audit] counts)."""
+        raise NotImplementedError
+
     def describe(self) -> dict:
         """A JSON-friendly summary."""
         return {"kind": self.kind, "module": self.module, "params": list(self.params)}

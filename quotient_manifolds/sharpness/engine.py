@@ -39,18 +39,18 @@ from ..errors import (
     SingleBatchError,
 )
 from ..models import ModelGeometry, Symmetries, discover
+from ..models.inputs import capture_inputs
 from ..models.model_geometry import ParamSelection, RowLayout
 from .checks import check_rho
 from .config import Geometry
 from .distributed import Evaluator, Shard, resolve_shard
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
 from .result import SharpnessResult
-from .solvers import APGD, Average, GeooptSolver
+from .solvers import APGD, Solver
 
 __all__ = ["geodesic_sharpness", "adaptive_sharpness", "symmetries_of", "LossFn", "Solver"]
 
 LossFn = Callable[[nn.Module, object], torch.Tensor]
-Solver = APGD | Average | GeooptSolver
 
 
 # -- plumbing -------------------------------------------------------------------
@@ -266,10 +266,6 @@ class _ActiveRows:
         return v if self.layout is None else self.layout.put(v)
 
 
-class _Captured(Exception):
-    pass
-
-
 def _first_call(model: nn.Module, loss_fn: LossFn, data: Iterable,
                 geometry: Geometry) -> tuple[tuple, dict] | None:
     """The model's inputs in `loss_fn(model, first batch)`, for discovery's probes.
@@ -290,23 +286,7 @@ def _capture_call(model: nn.Module, loss_fn: LossFn, data: Iterable) -> tuple[tu
     first = next(iter(data), None)
     if first is None:
         return None
-    call: list[tuple[tuple, dict]] = []
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        call.append((args, kwargs))
-        raise _Captured
-
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            loss_fn(model, first)
-    except _Captured:
-        pass
-    except Exception:  # noqa: BLE001 -- the loss fails later with its own, clearer error
-        return None
-    finally:
-        handle.remove()
-    return call[0] if call else None
+    return capture_inputs(model, loss_fn, first)
 
 
 def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
@@ -343,9 +323,9 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
                              horizontal=bool(geo.groups))
     ctx.check_same(geo.base_points)
     gen = None
-    if isinstance(solver, (APGD, Average)) and solver.random:  # samples or random starts
+    if getattr(solver, "random", False):  # samples or random starts
         gen = torch.Generator()
-        gen.manual_seed(ctx.common_seed(solver.seed))
+        gen.manual_seed(ctx.common_seed(getattr(solver, "seed", None)))
     ev = ctx.evaluator(_Evaluator(model, loss_fn))
     per, base_l, max_l, pnorm, norms, n_evals = [], [], [], [], [], 0
     done: list[int] = []
@@ -358,7 +338,7 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
         with _eval_mode(model), torch.enable_grad():
             for b, batch in enumerate(data):
                 if not ctx.owns(b):  # shard="batches": another rank solves this batch
-                    if gen is not None and isinstance(solver, (APGD, Average)):
+                    if gen is not None and hasattr(solver, "skip"):
                         solver.skip(feasible, gen)  # keep the draws of later batches in step
                     continue
                 with torch.no_grad():
@@ -411,11 +391,12 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
     )
 
 
-def _solver(solver: Solver | None, n_iter: int | None) -> Solver:
-    solver = APGD() if solver is None else solver
-    if not isinstance(solver, (APGD, Average, GeooptSolver)):
-        raise TypeError(f"solver must be APGD(...), Average(...) or GeooptSolver(...), got "
-                        f"{type(solver).__name__}")
+def _solver(given: Solver | None, n_iter: int | None) -> Solver:
+    solver: Solver = APGD() if given is None else given
+    if not isinstance(solver, Solver):
+        raise TypeError(f"solver must be APGD(...), Average(...), GeooptSolver(...) or an object "
+                        f"with the Solver protocol's kind, progress, solve, settings and "
+                        f"with_iterations, got {type(solver).__name__}")
     return solver if n_iter is None else solver.with_iterations(n_iter)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import geoopt
 import torch
@@ -36,7 +36,8 @@ from .apgd import APGDResult, Layout, Objective, _select, apgd
 from .checks import check_rho
 from .feasible import FeasibleSet
 
-__all__ = ["APGD", "Average", "GeooptSolver", "FeasibleSetManifold", "BatchProblem", "SOLVERS"]
+__all__ = ["APGD", "Average", "GeooptSolver", "FeasibleSetManifold", "BatchProblem", "SOLVERS",
+           "Solver"]
 
 
 class BatchProblem(Protocol):
@@ -57,6 +58,34 @@ class BatchProblem(Protocol):
 
     def loss(self, xi: torch.Tensor) -> torch.Tensor:
         """Loss at the perturbation `xi`, differentiable in `xi` when grad mode is on."""
+
+
+@runtime_checkable
+class Solver(Protocol):
+    """What the engine needs of a solver: the three built-in ones, or a user's.
+
+    `kind` is `"worst"` or `"average"`; `solve(problem, feasible, base_loss, generator)`
+    returns `(best or mean loss (one value per problem), maximiser or None, loss
+    evaluations)`, and the maximiser must lie in `feasible`; `settings()` describes the solver
+    for the result; `with_iterations(n)` is a copy with `n` iterations (or samples). A solver
+    that draws random numbers sets `random = True` and has a `seed` (the engine seeds one
+    generator with it) and a `skip(feasible, generator)` that draws what one batch solved on
+    another rank would have drawn.
+    """
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def progress(self) -> bool: ...
+
+    def solve(self, problem: BatchProblem, feasible: FeasibleSet, base_loss: float,
+              generator: torch.Generator | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, int]: ...
+
+    def settings(self) -> dict: ...
+
+    def with_iterations(self, n: int) -> Solver: ...
 
 
 def _positive(name: str, n, minimum: int = 1) -> int:

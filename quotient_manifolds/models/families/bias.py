@@ -84,6 +84,12 @@ class KeyBiasFold(Fold):
             return self._write(params, lambda x: x + a * random_normal(x.shape, generator, x.dtype,
                                                                  x.device))
 
+    def lie_dim(self, params: Params) -> int:
+        return int(claimed_mask(self._block(), params)[self.part.param].sum())
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._write(params, lambda x: x + theta.to(x.dtype).view(x.shape))
+
     def describe(self) -> dict:
         d = super().describe()
         d.update(part=(self.part.param, self.part.layout, self.part.offset))
@@ -157,6 +163,12 @@ class ValueBiasFold(Fold):
         with torch.no_grad():
             return self._shift(params, lambda bv: a * random_normal(
                 bv.shape, generator, bv.dtype, bv.device), -1.0)
+
+    def lie_dim(self, params: Params) -> int:
+        return self.heads * self.h
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._shift(params, lambda bv: theta.to(bv.dtype).view(bv.shape), -1.0)
 
     def describe(self) -> dict:
         d = super().describe()

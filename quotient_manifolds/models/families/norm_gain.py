@@ -98,23 +98,39 @@ class NormGainFold(Fold):
     def act(self, params: Params, generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            out = dict(params)
-            w = out[self.weight]
+            w = params[self.weight]
             c = random_scale(w.shape, generator, a, w.dtype, w.device)
-            out[self.weight] = c * (w + self.offset) - self.offset
-            t = None
-            if self.bias is not None:
-                out[self.bias] = c * out[self.bias]
-                if self.shift == "fold":
-                    t = a * random_normal(w.shape, generator, w.dtype, w.device)
-                    out[self.bias] = out[self.bias] + t
-            for cons in self.consumers:
-                M, b = cons.read(out)
-                M = M / c.to(M.dtype)
-                if t is not None and b is not None:
-                    b = b - M @ t.to(M.dtype)
-                cons.write(out, M, b)
-            return out
+            t = (a * random_normal(w.shape, generator, w.dtype, w.device)
+                 if self.bias is not None and self.shift == "fold" else None)
+            return self._move(params, c, t)
+
+    def _move(self, params: Params, c: torch.Tensor, t: torch.Tensor | None
+              ) -> dict[str, torch.Tensor]:
+        r"""$(γ, β, W_j, b_j) \mapsto (c ⊙ γ, c ⊙ β + t, W_j \operatorname{diag}(c)^{-1},
+        b_j - W_j \operatorname{diag}(c)^{-1} t)$ (out of place)."""
+        out = dict(params)
+        w = out[self.weight]
+        out[self.weight] = c * (w + self.offset) - self.offset
+        if self.bias is not None:
+            out[self.bias] = c * out[self.bias] + (0 if t is None else t)
+        for cons in self.consumers:
+            M, b = cons.read(out)
+            M = M / c.to(M.dtype)
+            if t is not None and b is not None:
+                b = b - M @ t.to(M.dtype)
+            cons.write(out, M, b)
+        return out
+
+    def lie_dim(self, params: Params) -> int:
+        d = params[self.weight].numel()
+        return 2 * d if self.bias is not None and self.shift == "fold" else d
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        d = params[self.weight].numel()
+        w = params[self.weight]
+        c = theta[:d].to(w.dtype).exp().view(w.shape)
+        t = theta[d:].to(w.dtype).view(w.shape) if theta.numel() > d else None
+        return self._move(params, c, t)
 
     def describe(self) -> dict:
         d = super().describe()

@@ -124,6 +124,12 @@ class QKNormScaleFold(Fold):
             c = random_scale((self._n(),), generator, a, torch.float64, w.device)
             return self._scale(params, c)
 
+    def lie_dim(self, params: Params) -> int:
+        return self._n()
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._scale(params, theta.to(torch.float64).exp())
+
     def describe(self) -> dict:
         d = super().describe()
         d.update(layout=self.layout, classes=self._n())
