@@ -35,6 +35,7 @@ whose connected group is the symmetry (e.g. the rotary commutant on rotary Q/K);
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -56,7 +57,7 @@ __all__ = [
     "claimed_mask",
 ]
 
-KINDS = ("attention.qk", "attention.vo", "lora", "diagonal", "custom")
+KINDS = ("attention.qk", "attention.vo", "lora", "mlp", "diagonal", "custom")
 LAYOUTS = ("rows", "cols", "bias", "elem")
 Layout = Literal["rows", "cols", "bias", "elem"]
 
@@ -235,6 +236,10 @@ class BlockSpec:
     group : Subalgebra or None
         The Lie subalgebra $\mathfrak k \subseteq \mathfrak{gl}(h)$ of the symmetry group
         (e.g. a `RotaryCommutant`); `None` is the full GL(h).
+    connected : bool
+        Only the identity component of the group is a symmetry (a ReLU unit's positive
+        scalings $GL^+(1)$); the quotient geometry is the same (it is local), but random
+        elements are drawn in the identity component.
     """
 
     kind: str
@@ -247,6 +252,7 @@ class BlockSpec:
     m: int = 0
     note: str = field(default="", compare=False)
     group: Subalgebra | None = None
+    connected: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -356,6 +362,9 @@ class BlockSpec:
         `random_element`), the factor $a$ kept only where $a I$ belongs to the subgroup (it
         does for the rotary commutant).
         """
+        if self.group is None and self.connected:
+            X = torch.randn(self.heads, self.h, self.h, generator=generator, dtype=torch.float64)
+            return a * torch.linalg.matrix_exp(X / math.sqrt(self.h))
         if self.group is None:
             return a * torch.randn(self.heads, self.h, self.h, generator=generator,
                                    dtype=torch.float64)
@@ -407,6 +416,7 @@ class BlockSpec:
             "G": parts(self.G),
             "H": parts(self.H),
             "group": None if self.group is None else repr(self.group),
+            **({"connected": True} if self.connected else {}),
         }
 
 

@@ -10,7 +10,7 @@ r"""Symmetry discovery: ask every symmetry family what it finds, and check every
    function-preservation probe of the [`Prober`][quotient_manifolds.models.prober.Prober] on
    a float64 copy, and a claim the probe rejects is dropped and recorded with the measured
    error;
-2. **folds** (`symmetry="full"`): the fold families (q/k norms, pre-norm gains, bias
+2. **folds** (not for `symmetry="paper"`): the fold families (q/k norms, pre-norm gains, bias
    translations, …) propose canonical representatives on the traced forward pass; the first
    alternative of each proposal that the whole-model probe confirms is claimed, all claimed
    folds together are probed once more, and the factor parts the folds freeze are stripped from
@@ -24,7 +24,7 @@ per module.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -59,8 +59,10 @@ def apply_folds(
     return Symmetries((), folds=tuple(folds)).canonicalize(params)
 
 
-def _families(families: Sequence[SymmetryFamily] | None, kind: str) -> list[SymmetryFamily]:
-    return [f for f in (FAMILIES if families is None else families) if f.kind == kind]
+def _families(families: Sequence[SymmetryFamily] | None, kind: str, symmetry: str
+              ) -> list[SymmetryFamily]:
+    return [f for f in (FAMILIES if families is None else families)
+            if f.kind == kind and symmetry in f.symmetries]
 
 
 def _probe_blocks(scene: Scene, found: list[BlockSpec], declared: list[BlockSpec],
@@ -109,7 +111,7 @@ def _fold_phase(scene: Scene, blocks: Sequence[BlockSpec],
                 ) -> tuple[list[Fold], list[Fallback]]:
     """The confirmed folds of the fold families, in application order, and their fallbacks."""
     scene.blocks = list(blocks)
-    fams = _families(families, "folds")
+    fams = _families(families, "folds", scene.symmetry)
     if not any(f.present(scene) for f in fams):
         return [], []  # nothing can fold: nothing to probe, nothing to report
     p = scene.prober
@@ -135,7 +137,11 @@ def _fold_phase(scene: Scene, blocks: Sequence[BlockSpec],
                 fallbacks.append(fb)
     folds.sort(key=lambda f: f.order)
     if folds:
-        err = max(p.probe(Joint(folds)), p.change(apply_folds(folds, p.params)[0]))
+        outputs = [f for f in folds if f.invariant == "outputs"]
+        err = max(p.probe(Joint(outputs)), p.change(apply_folds(outputs, p.params)[0])) if (
+            outputs) else 0.0
+        if len(outputs) < len(folds):  # symmetries of the loss: the loss is unchanged
+            err = max(err, p.probe(Joint(folds)), p.loss_change(apply_folds(folds, p.params)[0]))
         if err > PROBE_RTOL:  # folds that pass one by one but not together: claim none
             return [], fallbacks + [Fallback("", "folds", (
                 f"the folds pass one by one but together change the output by {err:.1e}; "
@@ -149,6 +155,7 @@ def find_folds(
     *,
     example_inputs: Any = None,
     families: Sequence[SymmetryFamily] | None = None,
+    symmetry: str = "full",
 ) -> tuple[list[Fold], list[Fallback]]:
     r"""The folds of `model` (the fold families of discovery), each confirmed by a probe.
 
@@ -173,6 +180,8 @@ def find_folds(
     families : sequence of SymmetryFamily, optional
         The families to ask (default
         [`FAMILIES`][quotient_manifolds.models.families.FAMILIES]; only fold families are used).
+    symmetry : str
+        The group whose fold families are asked (`"complete"` or `"full"`).
 
     Returns
     -------
@@ -181,7 +190,7 @@ def find_folds(
         not removed, with the reason.
     """
     inputs = None if example_inputs is None else normalize_inputs(example_inputs)
-    return _fold_phase(Scene(model, "full", inputs), blocks, families)
+    return _fold_phase(Scene(model, symmetry, inputs), blocks, families)
 
 
 def strip_frozen(
@@ -255,6 +264,8 @@ def discover(
     probe: bool = True,
     example_inputs: Any = None,
     families: Sequence[SymmetryFamily] | None = None,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    batch: Any = None,
 ) -> Symmetries:
     """The symmetries of `model`: verified blocks, fallbacks and canonicalisation folds.
 
@@ -262,9 +273,11 @@ def discover(
     ----------
     model : nn.Module
         Any model; it is only read (probes run on a float64 deep copy).
-    symmetry : {"full", "paper"}
-        `"full"`: every symmetry the families claim (rotary commutant, grouped heads, folds).
-        `"paper"`: GL(h) per recognised head only, bias rows appended, no folds.
+    symmetry : {"complete", "full", "paper"}
+        `"complete"`: every symmetry the families claim. `"full"`: the group of earlier
+        releases (rotary commutant, grouped heads, norm gains, bias translations, q/k norms).
+        `"paper"`: GL(h) per recognised head only, bias rows appended, no folds
+        ([`SYMMETRIES`][quotient_manifolds.models.records.SYMMETRIES]).
     declared : iterable of BlockSpec
         User blocks from [declare_block][quotient_manifolds.models.blocks.declare_block];
         validated, and probed when an example input is available.
@@ -282,6 +295,10 @@ def discover(
     families : sequence of SymmetryFamily, optional
         The symmetry families to ask, in order (default
         [`FAMILIES`][quotient_manifolds.models.families.FAMILIES]).
+    loss_fn, batch : optional
+        The loss and an example batch: the symmetries of the loss but not of the outputs (the
+        softmax shift of an untied output head) are claimed only when `loss_fn(model, batch)`
+        is unchanged by them, and only when these are given.
 
     Returns
     -------
@@ -296,8 +313,9 @@ def discover(
     if symmetry not in SYMMETRIES:
         raise BlockSpecError(f"symmetry must be one of {SYMMETRIES}, got {symmetry!r}")
     inputs = None if example_inputs is None else normalize_inputs(example_inputs)
-    scene = Scene(model, symmetry, inputs)
-    block_families = _families(families, "blocks")
+    scene = Scene(model, symmetry, inputs,
+                  None if loss_fn is None or batch is None else (loss_fn, batch))
+    block_families = _families(families, "blocks", symmetry)
     for f in block_families:
         f.find(scene)
     for f in block_families:
@@ -313,7 +331,7 @@ def discover(
     discovered = tuple(blocks)
     fallbacks = list(scene.fallbacks)
     folds: list[Fold] = []
-    if symmetry == "full":
+    if symmetry != "paper":
         try:
             folds, fold_fallbacks = _fold_phase(scene, blocks, families)
         except Exception as e:  # noqa: BLE001 -- recorded and warned, never silent

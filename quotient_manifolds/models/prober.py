@@ -35,10 +35,8 @@ Nothing here touches the user's model: every probe runs on the float64 copy, thr
 
 from __future__ import annotations
 
-import functools
 import math
-import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -56,7 +54,6 @@ from .inputs import (
     signature_names,
     torch_inputs,
 )
-from .linear import storage
 from .precision import float64_copy, float64_internals, lowest_precision, no_fastpath, run_module
 from .records import PROBE_EXCITATION, PROBE_RTOL, ProbeRecord
 
@@ -321,8 +318,10 @@ class Prober:
         output), said so that a fold family can record it; `None` if it can.
     """
 
-    def __init__(self, model: nn.Module, inputs: Any = None, *, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, inputs: Any = None, *, seed: int = 0,
+                 loss: tuple[Callable, Any] | None = None) -> None:
         self.model = float64_copy(model)
+        self.loss = _LossOf(self.model, *loss) if loss is not None else None
         self.gen = torch.Generator().manual_seed(seed)
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self.users: dict[int, int] = {}
@@ -431,20 +430,39 @@ class Prober:
         assert self.reference is not None, "the whole model could not be traced"
         return relative_change(self.reference, self.run(params))
 
+    def loss_change(self, params: Params) -> float:
+        """How much the user's loss on the example batch at `params` differs from its value at
+        the traced parameters (relative; `inf` without a loss)."""
+        if self.loss is None:
+            return math.inf
+        return self.loss.change({**params, **self.buffers})
+
     def probe(self, candidate: Candidate, repeats: int = 1) -> float:
-        """The largest output change under random elements of the candidate's group."""
+        """The largest change under random elements of the candidate's group: of the outputs,
+        or of the user's loss for a candidate whose `invariant` is `"loss"` (a symmetry of
+        the loss, such as the softmax shift, but not of the outputs)."""
+        change = self.loss_change if _invariant(candidate) == "loss" else self.change
         worst = 0.0
         for _ in range(repeats):
-            worst = max(worst, self.change(candidate.act(self.params, self.gen)))
+            worst = max(worst, change(candidate.act(self.params, self.gen)))
         return worst
 
     def passing(self, candidates: Sequence[Candidate]) -> list[bool]:
         """Which candidates pass their probe, by group testing.
 
-        All candidates are probed together (one forward pass); only a failing group is halved.
-        Every candidate is a symmetry exactly when the joint random element leaves the outputs
-        unchanged (barring a cancellation of probability zero).
+        All candidates of one invariant (the outputs, or the loss) are probed together (one
+        forward pass); only a failing group is halved. Every candidate is a symmetry exactly
+        when the joint random element leaves the outputs unchanged (barring a cancellation of
+        probability zero).
         """
+        out = [False] * len(candidates)
+        for kind in ("outputs", "loss"):
+            idx = [i for i, c in enumerate(candidates) if _invariant(c) == kind]
+            for i, ok in zip(idx, self._passing([candidates[i] for i in idx]), strict=True):
+                out[i] = ok
+        return out
+
+    def _passing(self, candidates: Sequence[Candidate]) -> list[bool]:
         if not candidates:
             return []
         if self.probe(Joint(candidates)) <= PROBE_RTOL:
@@ -452,7 +470,7 @@ class Prober:
         if len(candidates) == 1:
             return [False]
         k = len(candidates) // 2
-        return self.passing(candidates[:k]) + self.passing(candidates[k:])
+        return self._passing(candidates[:k]) + self._passing(candidates[k:])
 
     def select(self, alternatives: Sequence[Sequence[Candidate]]) -> list[Candidate | None]:
         """For each structure, the first of its alternatives that passes (`None` if none)."""
@@ -469,52 +487,6 @@ class Prober:
                     nxt.append(i)
             pending, r = nxt, r + 1
         return chosen
-
-    def reaches_only(self, module: str, readers: Sequence[str]) -> bool:
-        """Whether the output of `module` reaches the model's outputs only through the modules
-        `readers`.
-
-        One forward and backward pass with the readers' inputs detached: the gradient of the
-        outputs with respect to the module's output is then zero exactly when no other path (a
-        residual connection, a returned hidden state) reads it.
-        """
-        store: dict = {}
-        ptrs: set = set()
-
-        def post(mod, args, out):
-            y = out.detach().requires_grad_(True)
-            store["y"] = y
-            ptrs.add(storage(y))
-            return y
-
-        def pre(mod, args, kwargs):
-            cut = tuple(a.detach() if storage(a) in ptrs else a for a in args)
-            kw = {k: (v.detach() if storage(v) in ptrs else v) for k, v in kwargs.items()}
-            return cut, kw
-
-        hooks = [self.modules[module].register_forward_hook(post)]
-        hooks += [self.modules[name].register_forward_pre_hook(pre, with_kwargs=True)
-                  for name in set(readers)]
-        try:
-            with torch.enable_grad(), no_fastpath(), float64_internals():
-                d = {**self.params, **self.buffers}
-                out = [t for t in tree_leaves(
-                    torch.func.functional_call(self.model, d, self.args, self.kwargs),
-                    skip_key=lambda k: not _is_output(k)) if t.is_floating_point()]
-                y = store.get("y")
-                if y is None:
-                    return False
-                outs = [t for t in out if t.requires_grad]
-                if not outs:
-                    return True
-                total = functools.reduce(operator.add, (
-                    (t * torch.randn(t.shape, generator=self.gen, dtype=t.dtype)).sum()
-                    for t in outs))
-                (g,) = torch.autograd.grad(total, [y], allow_unused=True)
-        finally:
-            for hk in hooks:
-                hk.remove()
-        return g is None or not bool(g.abs().max() > 0)
 
     # -- module-level probes (blocks) ----------------------------------------------------------
     def check_block(self, block: BlockSpec, input_dims: Mapping[str, int] | None = None
@@ -579,11 +551,58 @@ class Prober:
         return ProbeRecord(block.module, block.kind, prefix, err, ref, scale, passed, reason, tol)
 
 
+def _invariant(candidate: object) -> str:
+    return getattr(candidate, "invariant", "outputs")
+
+
+class _LossOf:
+    """The user's loss on one batch as a function of the copy's parameters (float64)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, batch: Any) -> None:
+        self.module = _LossModule(model, loss_fn)
+        whole = tree_map(lambda t: t.to(torch.float64) if t.is_floating_point() else t, batch)
+        rows = leading_size(whole)
+        base = {n: p.detach() for n, p in model.named_parameters()} | {
+            n: b for n, b in model.named_buffers()}
+        self.batch = whole
+        if rows is not None and rows > PROBE_ROWS:  # the first rows, as the trace
+            self.batch = tree_map(lambda t: t[:PROBE_ROWS] if t.dim() and t.shape[0] == rows
+                                  else t, whole)
+        try:
+            self.reference = self(base)
+        except Exception:  # noqa: BLE001 -- dim 0 was not the batch: the whole batch
+            self.batch = whole
+            self.reference = self(base)
+
+    def __call__(self, params: Params) -> float:
+        d = {f"model.{n}": t for n, t in params.items()}
+        with torch.no_grad(), no_fastpath(), float64_internals():
+            out = torch.func.functional_call(self.module, d, (self.batch,))
+        return float(out.detach().double().sum()) if isinstance(out, torch.Tensor) else math.nan
+
+    def change(self, params: Params) -> float:
+        v = self(params)
+        if not (math.isfinite(v) and math.isfinite(self.reference)):
+            return math.inf
+        return abs(v - self.reference) / max(abs(self.reference), 1e-300)
+
+
+class _LossModule(nn.Module):
+    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, batch: Any) -> Any:
+        return self.loss_fn(self.model, batch)
+
+
 class Joint:
     """Every candidate's random group element, one after the other (for the joint probe)."""
 
     def __init__(self, candidates: Sequence[Candidate]) -> None:
         self.candidates = tuple(candidates)
+        self.invariant = "loss" if any(_invariant(c) == "loss" for c in candidates) else (
+            "outputs")
 
     def act(self, params: Params, generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:

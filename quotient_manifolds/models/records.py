@@ -25,9 +25,11 @@ __all__ = [
     "Symmetries",
 ]
 
-SYMMETRIES = ("full", "paper")
-"""The symmetry groups a measure can quotient out: every one the library claims, or the paper's
-GL(h) per attention head."""
+SYMMETRIES = ("complete", "full", "paper")
+"""The symmetry groups a measure can quotient out: `"complete"`, every one the library claims;
+`"full"`, the group of the library's earlier releases (attention heads with the rotary subgroup
+and grouped heads, LoRA, norm gains, the key and value bias translations, q/k norms), kept so
+that earlier results can be reproduced; `"paper"`, the paper's GL(h) per attention head."""
 
 PROBE_RTOL = 1e-10
 """Largest relative output change a symmetric transformation may cause."""
@@ -113,13 +115,13 @@ class Symmetries:
     fallbacks : tuple of Fallback
         Modules (or parts of modules) without a block, with the reason.
     folds : tuple of Fold
-        Canonicalisation steps (`symmetry="full"` only), applied in order by
+        Canonicalisation steps (not with `symmetry="paper"`), applied in order by
         `canonicalize`.
     probes : tuple of ProbeRecord
         The function-preservation probe of every claim that could be probed (including the
         rejected ones).
     symmetry : str
-        `"full"` or `"paper"`.
+        `"complete"`, `"full"` or `"paper"`.
     discovered : tuple of BlockSpec
         The verified blocks before the frozen parts were removed (bias rows included): what
         the fold families and the mapping checks read. Equal to `blocks` when there are no

@@ -47,8 +47,8 @@ def _symmetries(
     declared = list(declared)
     if blocks is not None:
         bl = [b.resolved(params) for b in list(blocks) + declared]
-        folds = find_folds(model, bl, example_inputs=example_inputs)[0] if (
-            symmetry == "full") else []
+        folds = find_folds(model, bl, example_inputs=example_inputs, symmetry=symmetry)[0] if (
+            symmetry != "paper") else []
         return bl, folds
     sym = discover(model, symmetry=symmetry, declared=declared, warn=False,
                    example_inputs=example_inputs)

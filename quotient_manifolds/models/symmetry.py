@@ -44,6 +44,7 @@ from .prober import Prober
 from .records import Fallback
 
 __all__ = [
+    "Centring",
     "Fold",
     "Proposal",
     "Scene",
@@ -81,6 +82,24 @@ def full_mask(params: Params, name: str) -> torch.Tensor:
 
 # -- folds --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Centring:
+    r"""A linear constraint that the perturbations of a fold's canonical slice satisfy.
+
+    The lines of `param` along `axis` (its slices with every other index fixed; for a 2-D
+    parameter only those whose other index is in `start:stop`, `stop = -1` meaning to the end)
+    have $\sum_j \xi_j v_j = 0$, with `direction` $v$ (a vector of the axis' length; `None`:
+    all ones, a plain sum). A translation fold freezes its orbit direction this way, as a gain
+    fold freezes entries.
+    """
+
+    param: str
+    axis: int = 0
+    start: int = 0
+    stop: int = -1
+    direction: torch.Tensor | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class Fold:
     """A symmetry with a canonical representative (a candidate of a fold family).
 
@@ -93,7 +112,8 @@ class Fold:
     module: str
 
     kind: ClassVar[str] = "fold"
-    order: ClassVar[int] = 0
+    order: ClassVar[float] = 0
+    invariant: ClassVar[str] = "outputs"  # or "loss": a symmetry of the loss only
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -112,6 +132,11 @@ class Fold:
     def frozen(self, params: Params) -> dict[str, torch.Tensor]:
         """Boolean masks of the entries that `apply` fixes (they depend on no value)."""
         return {}
+
+    def constraints(self, params: Params) -> tuple[Centring, ...]:
+        """The linear constraints of the perturbations at the canonical point `params` (the
+        orbit directions a translation fold removes; none for a fold that freezes entries)."""
+        return ()
 
     def lie_dim(self, params: Params) -> int:
         r"""The number of coordinates $\theta$ of `act_at` (the dimension of the group, or more
@@ -149,7 +174,8 @@ class Scene:
     model : nn.Module
         The user's model: its structure only (it is never run; runs go through `prober`).
     symmetry : str
-        `"full"` or `"paper"` (block families claim only the paper's blocks under `"paper"`).
+        `"complete"`, `"full"` or `"paper"` (see
+        [`SYMMETRIES`][quotient_manifolds.models.records.SYMMETRIES]).
     modules : dict
         `model.named_modules()`.
     blocks : list of BlockSpec
@@ -166,11 +192,15 @@ class Scene:
         Module path to class name, for the warnings.
     input_dims : dict
         Module path to hidden size, for probing a module the traced forward does not reach.
+    loss : (loss_fn, batch), optional
+        The user's loss and an example batch: folds whose `invariant` is `"loss"` (symmetries of
+        the loss only, such as the softmax shift) are claimed only when it is unchanged.
     """
 
     model: nn.Module
     symmetry: str = "full"
     example_inputs: Any = None
+    loss: tuple[Callable, Any] | None = None
     modules: dict[str, nn.Module] = field(init=False)
     blocks: list[BlockSpec] = field(default_factory=list)
     proposals: list[Proposal] = field(default_factory=list)
@@ -187,7 +217,7 @@ class Scene:
     def prober(self) -> Prober:
         """The [`Prober`][quotient_manifolds.models.prober.Prober] of the model (a float64
         traced copy, made on first use)."""
-        return Prober(self.model, self.example_inputs)
+        return Prober(self.model, self.example_inputs, loss=self.loss)
 
     def pname(self, t: object) -> str | None:
         """The name of `t` in the model (`None` for `None` or a tensor that is no parameter)."""
@@ -227,15 +257,17 @@ class Scene:
 class SymmetryFamily:
     """One family of continuous symmetries (the plug-in base class).
 
-    Class attributes: `name` (for reports), `kind` (`"blocks"` or `"folds"`). Fold families
-    run only for the complete group (`symmetry="full"`); block families always, and read
-    `scene.symmetry` themselves. Override `present` for a fold family whose structure can be
-    ruled out without running the model (no norm layer, no bias row): when no fold family is
-    present, the model is not traced for folds.
+    Class attributes: `name` (for reports), `kind` (`"blocks"` or `"folds"`), `symmetries` (the
+    settings of `symmetry` under which the family is asked: by default every one but the
+    paper's; the built-in families added after `"full"` was fixed belong to `"complete"` only). A block family reads `scene.symmetry` where it claims less under `"paper"`.
+    Override `present` for a fold family whose structure can be ruled out without running the
+    model (no norm layer, no bias row): when no fold family is present, the model is not traced
+    for folds.
     """
 
     name: ClassVar[str] = "family"
     kind: ClassVar[str] = "blocks"
+    symmetries: ClassVar[tuple[str, ...]] = ("complete", "full")
 
     def present(self, scene: Scene) -> bool:
         """Whether the model may hold this family's structure (cheap, structural)."""

@@ -11,16 +11,29 @@ from __future__ import annotations
 from ..symmetry import SymmetryFamily
 from .attention import Attention, rope_pairs
 from .bias import BiasTranslations, KeyBiasFold, ValueBiasFold
+from .centring import CentringFold, LayerNormCentring, ReaderCentringFold
+from .embeddings import EmbeddingShiftFold, EmbeddingShifts, TiedEmbeddingShiftFold
 from .lora import LoRA
+from .mlp import Neurons
 from .norm_gain import NormGainFold, NormGains
 from .qk_norm import QKNorms, QKNormScaleFold
+from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
 
 __all__ = [
     "FAMILIES",
     "Attention",
     "BiasTranslations",
+    "CentringFold",
+    "EmbeddingShiftFold",
+    "EmbeddingShifts",
+    "LayerNormCentring",
+    "ReaderCentringFold",
+    "SoftmaxShift",
+    "SoftmaxShiftFold",
+    "TiedEmbeddingShiftFold",
     "KeyBiasFold",
     "LoRA",
+    "Neurons",
     "NormGainFold",
     "NormGains",
     "QKNormScaleFold",
@@ -33,9 +46,13 @@ __all__ = [
 FAMILIES: list[SymmetryFamily] = [
     LoRA(),
     Attention(),
+    Neurons(),
     QKNorms(),
     NormGains(),
     BiasTranslations(),
+    LayerNormCentring(),
+    EmbeddingShifts(),
+    SoftmaxShift(),
 ]
 """The families of [`discover`][quotient_manifolds.models.discover], asked in order."""
 

@@ -108,6 +108,7 @@ class Attention(SymmetryFamily):
 
     name = "attention"
     kind = "blocks"
+    symmetries = ("complete", "full", "paper")
 
     def find(self, scene: Scene) -> None:
         scan = LayoutScan(scene)

@@ -195,6 +195,7 @@ class BiasTranslations(SymmetryFamily):
 
     name = "bias translations"
     kind = "folds"
+    symmetries = ("complete", "full")
 
     def present(self, scene: Scene) -> bool:
         return any(q.layout == "bias" for b in scene.blocks for q in (*b.G, *b.H))

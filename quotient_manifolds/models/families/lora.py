@@ -20,6 +20,7 @@ class LoRA(SymmetryFamily):
 
     name = "LoRA adapters"
     kind = "blocks"
+    symmetries = ("complete", "full", "paper")
 
     def find(self, scene: Scene) -> None:
         for name, m in scene.modules.items():

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..linear import Consumer, ReadQuery, readers_of, storage
 from ..norms import is_norm, norm_bias, norm_offset, norm_weight
+from ..paths import reaches_only
 from ..prober import Prober
 from ..records import Fallback
 from ..symmetry import Fold, Scene, SymmetryFamily, full_mask, random_normal, random_scale
@@ -145,6 +146,7 @@ class NormGains(SymmetryFamily):
 
     name = "norm gains"
     kind = "folds"
+    symmetries = ("complete", "full")
 
     def present(self, scene: Scene) -> bool:
         return any(is_norm(m) for m in scene.modules.values())
@@ -179,7 +181,7 @@ class NormGains(SymmetryFamily):
             return
         tied = [c.weight for c in cons if p.tied(c.weight)]
         if tied:
-            if p.reaches_only(name, mods):
+            if reaches_only(p, name, mods):
                 scene.fallback(name, "norm", (
                     f"the norm's gain feeds {tied[0]!r}, which is tied to another module "
                     "(e.g. the input embedding); folding the gain would change that module, so "
@@ -194,7 +196,7 @@ class NormGains(SymmetryFamily):
                 cands.append(NormGainFold(name, w, b, offset, tuple(cons), "scale"))
 
         def reject(p: Prober) -> Fallback | None:
-            if not p.reaches_only(name, mods):
+            if not reaches_only(p, name, mods):
                 return None  # post-norm (residual) or a returned hidden state: no symmetry
             worst = min(p.probe(c) for c in cands)
             if cands[0].bias is not None and len(cands) == 1:

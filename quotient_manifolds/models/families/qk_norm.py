@@ -212,6 +212,7 @@ class QKNorms(SymmetryFamily):
 
     name = "q/k norms"
     kind = "folds"
+    symmetries = ("complete", "full")
 
     def present(self, scene: Scene) -> bool:
         return any(is_norm(m) for m in scene.modules.values())

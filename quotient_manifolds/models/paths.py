@@ -1,0 +1,116 @@
+r"""Where activations flow, read off one forward and backward pass of the prober's copy.
+
+Two questions the fold families ask: does a module's output reach the model's outputs only
+through given readers ([`reaches_only`][quotient_manifolds.models.paths.reaches_only]: a
+pre-norm's output, read only by its linear consumers), and do modules' outputs reach the outputs
+only through the inputs of given modules
+([`feeds_only`][quotient_manifolds.models.paths.feeds_only]: the writers into a LayerNorm). Both
+cut the graph at the given modules' inputs and test whether a gradient still arrives.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..tree import tree_leaves
+from .linear import storage
+from .precision import float64_internals, no_fastpath
+from .prober import Prober
+
+__all__ = ["feeds_only", "reaches_only"]
+
+
+def _outputs(p: Prober, out: object) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(out, skip_key=lambda k: "past" in str(k) or "cache" in str(k))
+            if t.is_floating_point() and t.requires_grad]
+
+
+def _projection(p: Prober, outs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return functools.reduce(operator.add, (
+        (t * torch.randn(t.shape, generator=p.gen, dtype=t.dtype)).sum() for t in outs))
+
+
+def reaches_only(p: Prober, module: str, readers: Sequence[str]) -> bool:
+    """Whether the output of `module` reaches the model's outputs only through the modules
+    `readers`.
+
+    One forward and backward pass with the readers' inputs detached where they are the
+    module's output: the gradient of the outputs with respect to the module's output is then
+    zero exactly when no other path (a residual connection, a returned hidden state) reads it.
+    """
+    store: dict = {}
+    ptrs: set = set()
+
+    def post(mod, args, out):
+        y = out.detach().requires_grad_(True)
+        store["y"] = y
+        ptrs.add(storage(y))
+        return y
+
+    def pre(mod, args, kwargs):
+        cut = tuple(a.detach() if storage(a) in ptrs else a for a in args)
+        kw = {k: (v.detach() if storage(v) in ptrs else v) for k, v in kwargs.items()}
+        return cut, kw
+
+    hooks = [p.modules[module].register_forward_hook(post)]
+    hooks += [p.modules[name].register_forward_pre_hook(pre, with_kwargs=True)
+              for name in set(readers)]
+    try:
+        with torch.enable_grad(), no_fastpath(), float64_internals():
+            out = _outputs(p, torch.func.functional_call(
+                p.model, {**p.params, **p.buffers}, p.args, p.kwargs))
+            y = store.get("y")
+            if y is None:
+                return False
+            if not out:
+                return True
+            (g,) = torch.autograd.grad(_projection(p, out), [y], allow_unused=True)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    return g is None or not bool(g.abs().max() > 0)
+
+
+def feeds_only(p: Prober, sources: Iterable[str], sinks: Iterable[str]) -> dict[str, bool]:
+    """For each module of `sources`, whether its output (its first call's; the first element of
+    a tuple) reaches the model's
+    outputs only through the inputs of the modules `sinks` (every input of a sink is cut); a
+    source that is not called is `False`. A necessary condition for a translation of the
+    source's output to be invisible, not a sufficient one (it may pass a nonlinearity first):
+    the probe decides."""
+    sources = list(dict.fromkeys(sources))
+    leaves: dict[str, torch.Tensor] = {}
+
+    def post(name):
+        def f(mod, args, out):
+            first = out[0] if isinstance(out, tuple) and out else out
+            if name in leaves or not isinstance(first, torch.Tensor):
+                return None
+            y = first.detach().requires_grad_(True)
+            leaves[name] = y
+            return (y, *out[1:]) if isinstance(out, tuple) else y
+        return f
+
+    def pre(mod, args, kwargs):
+        return (tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args),
+                {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    hooks = [p.modules[n].register_forward_hook(post(n)) for n in sources]
+    hooks += [p.modules[n].register_forward_pre_hook(pre, with_kwargs=True)
+              for n in dict.fromkeys(sinks)]
+    try:
+        with torch.enable_grad(), no_fastpath(), float64_internals():
+            out = _outputs(p, torch.func.functional_call(
+                p.model, {**p.params, **p.buffers}, p.args, p.kwargs))
+            found = [n for n in sources if n in leaves]
+            grads = torch.autograd.grad(_projection(p, out), [leaves[n] for n in found],
+                                        allow_unused=True) if out and found else [None] * len(found)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    zero = {n: g is None or not bool(g.abs().max() > 0) for n, g in zip(found, grads, strict=True)}
+    return {n: zero.get(n, False) for n in sources}
