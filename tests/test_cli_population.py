@@ -247,6 +247,38 @@ def test_other_input_errors(inproc, capsys):
     assert e.value.code == 2 and "unknown measure(s) sam" in capsys.readouterr().err
 
 
+def test_library_errors_name_parameters_and_the_command_line_its_flags(inproc, capsys):
+    """The library's messages speak its parameter names; the command line prints its flags."""
+    from quotient_manifolds.errors import PopulationInputError
+    from quotient_manifolds.experiments.population import (
+        MeasureSettings,
+        default_loss,
+        evaluate_population,
+    )
+
+    _, ckpts = inproc
+    with pytest.raises(PopulationInputError, match=r"rho=-1 must be a positive number, e\.g\. rho"):
+        MeasureSettings(rho=-1)
+    with pytest.raises(PopulationInputError, match="n_iter=0 must be at least 1"):
+        MeasureSettings(n_iter=0)
+    with pytest.raises(PopulationInputError) as e:
+        evaluate_population(ckpts[:1], out="r.jsonl", data="popmod:make_data", model="popmod")
+    assert str(e.value).startswith("model='popmod' is not of the form module:function")
+    with pytest.raises(PopulationInputError) as e:
+        default_loss(torch.nn.Identity(), {"x": torch.zeros(1)})
+    assert "pass loss=module:function" in str(e.value)
+    with pytest.raises(PopulationInputError) as e:
+        evaluate_population(ckpts[:1], out="nowhere/r.jsonl", data="popmod:make_data",
+                            model="popmod:make_model")
+    assert str(e.value).startswith("out=nowhere/r.jsonl: folder nowhere does not exist")
+    line = _err(capsys, ["sharpness", "--model", "popmod", "--data", "popmod:make_data",
+                         ckpts[0]])
+    assert "error: --model 'popmod' is not of the form module:function; pass e.g. --model " in line
+    line = _err(capsys, ["sharpness", "--model", "popmod:make_model", "--data",
+                         "popmod:make_data", "--out", "nowhere/r.jsonl", ckpts[0]])
+    assert "error: --out nowhere/r.jsonl: folder nowhere does not exist" in line
+
+
 @pytest.mark.parametrize("text, expect", [
     ("name,value\nm0,1\n", "has columns name, value; the file needs a header line"),
     ("checkpoint,gap\nm0,abc\n", "line 2: gap 'abc' is not a number"),
@@ -272,7 +304,7 @@ def test_malformed_gaps(inproc, capsys, text, expect):
 def test_default_measures_are_the_full_group_and_documented():
     """The default measures quotient out every recognised symmetry (the library default); the
     command synopsis in docs/cli.md shows them."""
-    from quotient_manifolds.experiments.population import MEASURES
+    from quotient_manifolds.experiments.population import DEFAULT_MEASURES as MEASURES
     from quotient_manifolds.sharpness.measures import measure
 
     assert MEASURES == ("adaptive", "geodesic-inv-full", "geodesic-mix-full")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import kendalltau
 
-from quotient_manifolds.experiments import sharpness_suite as suite
+from quotient_manifolds.experiments import rho_sweep as suite
 from quotient_manifolds.experiments.finetune import (
     PlateauRule,
     lr_factor,
@@ -314,8 +314,9 @@ def test_measure_sweep_caches_resumes_and_uses_each_family_radius(fake_table):
     radii = {"adaptive": [0.5, 1.0], "inv": [0.1], "mix": [0.01], "adaptive_average": [3.0],
              "inv_average": [0.2, 0.4], "mix_average": [0.003]}
     saved = []
-    v = suite.measure_sweep(model, None, [None], radii=radii, n_iter=1, seed=0, cached={},
-                            save=lambda d: saved.append(json.loads(json.dumps(d))))
+    v = suite.measure_sweep(model, None, [None],
+                            settings=suite.SweepSettings(radii=radii, n_iter=1, seed=0),
+                            cached={}, save=lambda d: saved.append(json.loads(json.dumps(d))))
     assert v["adaptive"] == {"0.5": pytest.approx(0.025), "1.0": pytest.approx(0.1)}
     # the average case at its own radii, called with them (the standard deviation per direction)
     assert fake_table["geodesic-inv-average"].calls == [0.2, 0.4]
@@ -324,7 +325,8 @@ def test_measure_sweep_caches_resumes_and_uses_each_family_radius(fake_table):
     assert suite.block_fraction(v["_norms"]["geodesic_inv"]["0.1"]) == pytest.approx(0.36)
     assert "geodesic-inv-full" in v["_unavailable"] and "geodesic_inv_full" not in v
     n_calls = sum(len(m.calls) for m in fake_table.values())
-    again = suite.measure_sweep(model, None, [None], radii=radii, n_iter=1, seed=0,
+    again = suite.measure_sweep(model, None, [None],
+                                settings=suite.SweepSettings(radii=radii, n_iter=1, seed=0),
                                 cached=saved[-1], save=lambda d: None)
     assert sum(len(m.calls) for m in fake_table.values()) == n_calls  # all cached
     assert again["adaptive"] == v["adaptive"]
@@ -403,7 +405,7 @@ def test_vit_finetune_resume_trains_and_measures_nothing(vit_quick, monkeypatch)
     out, res = vit_quick
     calls = []
     monkeypatch.setattr(vit_finetune, "train_member", lambda *a, **k: calls.append("train"))
-    monkeypatch.setattr(suite, "_run_measure", lambda *a, **k: calls.append("measure"))
+    monkeypatch.setattr(suite, "run_measure", lambda *a, **k: calls.append("measure"))
     again = vit_finetune.run(out, quick=True, progress=False)
     assert calls == []
     assert [m["measures"] for m in again["members"]] == [m["measures"] for m in res["members"]]
@@ -462,9 +464,10 @@ def test_average_case_retries_on_a_float64_copy(fake_table):
 
     fake_table["geodesic-inv-average"] = Picky(10.0, "average")
     model = torch.nn.Linear(4, 2).float()
-    v = suite.measure_sweep(model, None, [torch.ones(1, 4)], radii={"adaptive": [1.0],
-                            "inv": [0.1], "mix": [0.01], "adaptive_average": [1.0],
-                            "inv_average": [0.1], "mix_average": [0.01]}, n_iter=1, seed=0,
+    radii = {"adaptive": [1.0], "inv": [0.1], "mix": [0.01], "adaptive_average": [1.0],
+             "inv_average": [0.1], "mix_average": [0.01]}
+    v = suite.measure_sweep(model, None, [torch.ones(1, 4)],
+                            settings=suite.SweepSettings(radii=radii, n_iter=1, seed=0),
                             cached={}, save=lambda d: None)
     assert v["geodesic_inv_average"]["0.1"] == pytest.approx(10.0 * 0.1**2)
     assert "Double" in v["_float64_retry"]["geodesic_inv_average"]

@@ -613,6 +613,7 @@ def test_given_symmetries_must_match_the_geometry():
 
 
 def test_a_sweep_discovers_once_per_symmetry(monkeypatch):
+    from quotient_manifolds.experiments import rho_sweep
     from quotient_manifolds.experiments import sharpness_suite as suite
 
     model, loss, data = _two_input_setup()
@@ -628,8 +629,10 @@ def test_a_sweep_discovers_once_per_symmetry(monkeypatch):
              "inv_average": [0.01]}
     names = ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_inv_full",
              "geodesic_mix_full", "geodesic_inv_full_average")
-    values = suite.measure_sweep(model, loss, data, radii=radii, n_iter=2, seed=0, cached={},
-                                 save=lambda d: None, names=names)
+    values = rho_sweep.measure_sweep(
+        model, loss, data, settings=rho_sweep.SweepSettings(radii=radii, n_iter=2, seed=0,
+                                                            names=names),
+        cached={}, save=lambda d: None)
     assert sorted(calls) == ["full", "paper"]
     ref = qm.MEASURES["geodesic-inv-full"].run(model, loss, data, rho=0.1, n_iter=2, seed=0)
     assert values["geodesic_inv_full"]["0.1"] == pytest.approx(ref.value, rel=1e-12)

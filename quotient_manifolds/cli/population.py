@@ -1,7 +1,8 @@
 """The `sharpness` and `correlate` subcommands of `quotient-manifolds` (docs/cli.md).
 
 The work is done by [`population`][quotient_manifolds.experiments.population]; this module
-only parses arguments, sets the thread count and turns errors into exit codes.
+only parses arguments, sets the thread count and turns errors into exit codes, with the
+library's parameter names in their messages spelled as flags (`n_iter=3` as `--n-iter 3`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,21 +18,38 @@ import torch
 
 from ..errors import MissingDependencyError, PopulationInputError, QuotientManifoldError
 from ..experiments.population import (
-    MEASURES,
+    DEFAULT_MEASURES,
+    BatchFile,
+    MeasureSettings,
     correlate,
     evaluate_population,
     format_table,
-    measure_names,
     read_jsonl,
 )
+from ..sharpness.measures import MEASURES
 
 __all__ = ["add_subcommands"]
+
+
+#: the library's parameters and functions that the command line names otherwise
+_FLAGS = {"model": "--model", "data": "--data", "loss": "--loss", "batch_size": "--batch-size",
+          "rho": "--rho", "n_iter": "--n-iter", "out": "--out"}
+_PARAMETER = re.compile(r"(?<![\w.])(" + "|".join(_FLAGS) + r")=")
+_NAMES = (("plots=False", "--no-plots"), ("evaluate_population", "'quotient-manifolds sharpness'"))
+
+
+def _as_flags(message: str) -> str:
+    """`message` with the library's names in command-line terms: `rho=0.1` as `--rho 0.1`."""
+    message = _PARAMETER.sub(lambda m: f"{_FLAGS[m[1]]} ", message)
+    for name, flag in _NAMES:
+        message = message.replace(name, flag)
+    return message
 
 
 # -- command line ---------------------------------------------------------------------------
 def _measures_arg(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
-    known = measure_names()
+    known = list(MEASURES)
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise argparse.ArgumentTypeError(
@@ -60,7 +79,7 @@ def _positive(text: str) -> float:
 
 
 def _fail(cmd: str, e: BaseException) -> int:
-    msg = " ".join(str(e).split())
+    msg = " ".join(_as_flags(str(e)).split())
     print(f"quotient-manifolds {cmd}: error: {msg}", file=sys.stderr)
     return 2
 
@@ -72,11 +91,15 @@ def _run_sharpness(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
+        settings = MeasureSettings(measures=tuple(args.measures), rho=args.rho,
+                                   n_iter=args.n_iter, seed=args.seed)
+        if args.batches is not None and args.batch_size is None:
+            raise PopulationInputError("--batches needs --batch-size N (rows per batch)")
+        data = BatchFile(args.batches, args.batch_size) if args.batches is not None else args.data
         info = evaluate_population(
-            args.checkpoints, model=args.model, data=args.data, batches=args.batches,
-            batch_size=args.batch_size, loss=args.loss, out=args.out, measures=args.measures,
-            rho=args.rho, n_iter=args.n_iter, seed=args.seed, dtype=args.dtype,
-            device=args.device, progress=not args.no_progress,
+            args.checkpoints, out=args.out, data=data, model=args.model, loss=args.loss,
+            settings=settings, dtype=args.dtype, device=args.device,
+            progress=not args.no_progress,
         )
     except (PopulationInputError, MissingDependencyError) as e:
         return _fail("sharpness", e)
@@ -134,9 +157,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="loss_fn(model, batch) -> scalar; default: the model's .loss (or "
                    "cross-entropy of .logits) for dict batches with labels, "
                    "cross_entropy(model(x), y) for (x, y) batches")
-    s.add_argument("--measures", type=_measures_arg, default=list(MEASURES),
-                   help=f"comma-separated, from {','.join(measure_names())} (default: "
-                   f"{','.join(MEASURES)})")
+    s.add_argument("--measures", type=_measures_arg, default=list(DEFAULT_MEASURES),
+                   help=f"comma-separated, from {','.join(MEASURES)} (default: "
+                   f"{','.join(DEFAULT_MEASURES)})")
     s.add_argument("--rho", type=_positive, default=0.1, help="radius of the ball (default 0.1)")
     s.add_argument("--n-iter", type=_count, default=20, help="APGD iterations (default 20)")
     s.add_argument("--seed", type=int, default=0)

@@ -297,11 +297,11 @@ class FinetuneExperiment(PopulationExperiment):
     * members that did not meet the convergence rule are reported and not measured;
     * the radius of each family (the worst case of the adaptive, inv and mix norms, and the
       average case of each) is calibrated once, on the first converged member, by
-      [`calibrate_rho`][quotient_manifolds.experiments.sharpness_suite.calibrate_rho]
+      [`calibrate_rho`][quotient_manifolds.experiments.rho_sweep.calibrate_rho]
       (1-2-5 grid, loss increase closest to 0.1 nats), and cached;
     * every measure of `SWEEP_MEASURES` runs at the calibrated radius of its norm times
       `RHO_FACTORS` (1/3, 1, 3), headline at 1
-      ([`measure_sweep`][quotient_manifolds.experiments.sharpness_suite.measure_sweep]).
+      ([`measure_sweep`][quotient_manifolds.experiments.rho_sweep.measure_sweep]).
     """
 
     gap_name = "test error − train error"
@@ -344,7 +344,7 @@ class FinetuneExperiment(PopulationExperiment):
         return bool(member.meta["converged"])
 
     def measure_protocol(self, quick: bool) -> dict:
-        from .sharpness_suite import (
+        from .rho_sweep import (
             CALIBRATION_MEASURES,
             CALIBRATION_TARGET,
             RHO_CANDIDATES,
@@ -371,7 +371,7 @@ class FinetuneExperiment(PopulationExperiment):
         """The calibrated radii (computed once on the first converged member, then cached)."""
         import json
 
-        from .sharpness_suite import calibrate_rho
+        from .rho_sweep import calibrate_rho
         from .store import atomic_write_text
 
         path = store.dir / f"calibration-{mhash}.json"
@@ -383,9 +383,9 @@ class FinetuneExperiment(PopulationExperiment):
             model = model.double()
         batches = self.batches(ctx, m, quick)
         if self.float64:
-            from .sharpness_suite import _to64
+            from .sharpness_suite import to_float64
 
-            batches = [_to64(b) for b in batches]
+            batches = [to_float64(b) for b in batches]
         cal = calibrate_rho(model, self.loss_fn, batches,
                             n_iter=self.quick_n_iter if quick else self.n_iter,
                             params=self.params(quick), seed=self.seed,
@@ -399,7 +399,7 @@ class FinetuneExperiment(PopulationExperiment):
 
         from tqdm.auto import tqdm
 
-        from .sharpness_suite import SWEEP_MEASURES, measure_sweep, sweep_radii
+        from .rho_sweep import SWEEP_MEASURES, SweepSettings, measure_sweep, sweep_radii
 
         if not members:
             ctx["calibration"] = {}
@@ -407,17 +407,18 @@ class FinetuneExperiment(PopulationExperiment):
         cal = self.calibration(ctx, store, members, mhash, quick)
         ctx["calibration"] = cal
         radii = sweep_radii(cal)
+        settings = SweepSettings(radii=radii, n_iter=self.quick_n_iter if quick else self.n_iter,
+                                 seed=self.seed, params=self.params(quick),
+                                 float64=self.float64)
         total = len(members) * sum(len(radii[fam]) for _, fam in SWEEP_MEASURES.values())
         bar = tqdm(total=total, desc=f"{self.name}: sharpness", file=sys.stderr,
                    disable=not progress)
         for m in members:
             model = self._model(ctx, store, m, quick)
             m.measures = measure_sweep(
-                model, self.loss_fn, self.batches(ctx, m, quick), radii=radii,
-                n_iter=self.quick_n_iter if quick else self.n_iter, seed=self.seed,
+                model, self.loss_fn, self.batches(ctx, m, quick), settings=settings,
                 cached=store.load_measures(m.id, mhash),
-                save=functools.partial(store.save_measures, m.id, mhash),
-                params=self.params(quick), float64=self.float64, bar=bar)
+                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
         bar.close()
 
     def settings(self, quick: bool) -> dict:
@@ -442,7 +443,7 @@ class FinetuneExperiment(PopulationExperiment):
                dropped: Sequence[Member], *, mhash: str, quick: bool, t_start: float) -> dict:
         import time
 
-        from .sharpness_suite import finish_sweep
+        from .rho_sweep import finish_sweep
 
         points = {p.label: p for p in self.design(quick)}
 

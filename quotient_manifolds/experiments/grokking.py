@@ -42,6 +42,7 @@ from .._deps import pyplot
 from .modules import Attention, seeded
 from .sharpness_suite import (
     SUITE,
+    SuiteSettings,
     finish_population,
     float32_default,
     measure_population,
@@ -218,10 +219,10 @@ class GrokkingExperiment(PopulationExperiment):
                 x, y = x[:QUICK_BATCH], y[:QUICK_BATCH]
             return [(x, y)]
 
-        measure_population(NAME, store, members, mhash,
+        settings = SuiteSettings(rho=RHO, n_iter=prot["n_iter"], grid=tuple(prot["rho_grid"]))
+        measure_population(NAME, store, members, mhash, settings=settings,
                            build=lambda m: GrokTransformer(m.hyper["p"]), batches=batches,
-                           loss_fn=_loss, rho=RHO, grid=tuple(prot["rho_grid"]),
-                           n_iter=prot["n_iter"], progress=progress)
+                           loss_fn=_loss, progress=progress)
 
     @staticmethod
     def _record(m: Member) -> dict:

@@ -32,6 +32,7 @@ from torch import nn
 
 from .._deps import require
 from ..errors import PopulationInputError
+from ..tree import tree_map
 
 __all__ = [
     "INPUT_KEYS",
@@ -97,7 +98,7 @@ def check_hf_checkpoint(path: str | os.PathLike) -> str:
     if not p.is_dir():
         raise PopulationInputError(
             f"checkpoint {path} is a file, not a Hugging Face checkpoint folder; pass the "
-            "folders written by save_pretrained, or --model module:function for state_dict "
+            "folders written by save_pretrained, or model=module:function for state_dict "
             "files"
         )
     cfg = _config(p)
@@ -283,7 +284,7 @@ def load_batches(
     if not p.is_file():
         raise PopulationInputError(f"batches file {path} does not exist; check the path")
     if batch_size < 1:
-        raise PopulationInputError(f"--batch-size {batch_size} must be at least 1")
+        raise PopulationInputError(f"batch_size={batch_size} must be at least 1")
     st = require("safetensors.torch", "reading a batches file")
     safetensors = require("safetensors", "reading a batches file")
     try:
@@ -314,7 +315,7 @@ def load_batches(
             "store one row per example"
         )
     if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        tensors = tree_map(lambda v: v.to(dtype) if v.is_floating_point() else v, tensors)
     return [{k: v[i:i + batch_size] for k, v in tensors.items()}
             for i in range(0, n, batch_size)]
 

@@ -78,7 +78,7 @@ from ..errors import SymmetryFallbackWarning
 from .hf_checkpoints import load_pretrained_minilm
 from .members import sample_hypers
 from .modules import seeded
-from .sharpness_suite import SUITE, finish_population, measure_member
+from .sharpness_suite import SUITE, SuiteSettings, finish_population, measure_member
 from .store import PopulationStore, protocol_hash
 from .template import PopulationExperiment, at_minimum
 
@@ -514,8 +514,9 @@ class LoraMinilmExperiment(PopulationExperiment):
                     warnings.simplefilter("ignore", SymmetryFallbackWarning)
                     measure_member(model, _loss,
                                    _member_batches(data, m.meta, q["n_sharp"], q["sharp_batch"]),
-                                   rho=RHO, n_iter=q["n_iter"], seed=0, cached=mine, save=save,
-                                   names=names, float64=f64, bar=bar)
+                                   settings=SuiteSettings(rho=RHO, n_iter=q["n_iter"], seed=0,
+                                                          names=names, float64=f64),
+                                   cached=mine, save=save, bar=bar)
             bar.close()
             for m in members:
                 m.measures = dict(caches[m.id])

@@ -13,14 +13,17 @@ Schema:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .._deps import pyplot
 from .stats import kendall_tau
+from .store import atomic_write_text
 
-__all__ = ["summarize", "tau_table", "scatter_figure", "tau_rho_figure"]
+__all__ = ["summarize", "summarize_members", "write_results", "tau_table", "scatter_figure",
+           "tau_rho_figure"]
 
 
 def _num(v) -> float:
@@ -84,6 +87,45 @@ def summarize(
     if extra:
         out.update(extra)
     return out
+
+
+def summarize_members(
+    experiment: str,
+    members: Sequence[Mapping],
+    *,
+    gap_name: str,
+    primary: Mapping[str, float],
+    settings: Mapping,
+    second_gap: tuple[str, str] | None,
+    extra: Mapping | None,
+    n_boot: int,
+) -> tuple[list[dict], dict]:
+    """The members without their private measure keys (a failed measure's error moved to
+    `measure_errors`), and their [`summarize`][quotient_manifolds.experiments.report.summarize]
+    with the τ against the second gap `(label, field)` under `vs_<field>`."""
+    clean = []
+    for m in members:
+        rec = {**m, "measures": {k: v for k, v in m["measures"].items() if not k.startswith("_")}}
+        if m["measures"].get("_errors"):
+            rec["measure_errors"] = m["measures"]["_errors"]
+        clean.append(rec)
+    blob = dict(extra or {})
+    if second_gap is not None:
+        label, field = second_gap
+        alt = summarize(experiment, [{**m, "gap": m[field]} for m in clean], gap_name=label,
+                        primary_rho=primary, settings={}, n_boot=n_boot)
+        blob[f"vs_{field}"] = {"gap": label, "measures": alt["measures"],
+                               "baselines": alt["baselines"]}
+    res = summarize(experiment, clean, gap_name=gap_name, primary_rho=primary,
+                    settings=settings, n_boot=n_boot, extra=blob)
+    return clean, res
+
+
+def write_results(out_dir: Path, res: dict, figs: Sequence[Path]) -> dict:
+    """`res` with the names of its figures, written to `out_dir/results.json`."""
+    res["figures"] = [p.name for p in figs]
+    atomic_write_text(out_dir / "results.json", json.dumps(res, indent=1, default=float))
+    return res
 
 
 def tau_table(results: Mapping) -> str:

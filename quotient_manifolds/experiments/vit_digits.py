@@ -43,6 +43,7 @@ from . import members
 from .modules import Attention, seeded
 from .sharpness_suite import (
     SUITE,
+    SuiteSettings,
     finish_population,
     float32_default,
     measure_population,
@@ -256,10 +257,11 @@ class VitDigitsExperiment(PopulationExperiment):
 
     def measure(self, ctx, store, members, mhash, quick, progress):
         prot = self.measure_protocol(quick)
-        measure_population(NAME, store, members, mhash, build=lambda m: TinyViT().eval(),
+        settings = SuiteSettings(rho=RHO, n_iter=prot["n_iter"], grid=tuple(prot["rho_grid"]))
+        measure_population(NAME, store, members, mhash, settings=settings,
+                           build=lambda m: TinyViT().eval(),
                            batches=lambda m: sharpness_batches(m.hyper, quick=quick),
-                           loss_fn=_loss, rho=RHO, grid=tuple(prot["rho_grid"]),
-                           n_iter=prot["n_iter"], progress=progress)
+                           loss_fn=_loss, progress=progress)
 
     def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
         records = []
