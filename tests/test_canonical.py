@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import quotient_manifolds as qm
-from quotient_manifolds.models.blocks import FactorPart, gather_block
 from quotient_manifolds.models import prober as prober_module
+from quotient_manifolds.models.blocks import FactorPart, gather_block
 from quotient_manifolds.models.discovery import apply_folds, find_folds, strip_frozen
 from quotient_manifolds.models.families import (
     KeyBiasFold,
@@ -29,8 +29,8 @@ from quotient_manifolds.models.families import (
 from quotient_manifolds.models.inputs import cast_inputs, example_inputs
 from quotient_manifolds.models.precision import float64_internals
 from quotient_manifolds.models.records import PROBE_RTOL
-from quotient_manifolds.tree import tree_leaves
 from quotient_manifolds.models.reparam import transform_params
+from quotient_manifolds.tree import tree_leaves
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*|.*bos_token_id.*")
 # peft 0.21 calls a transformers property deprecated in transformers 5

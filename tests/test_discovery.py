@@ -20,9 +20,9 @@ from torch import nn
 import quotient_manifolds as qm
 from quotient_manifolds.geometry.subgroup import RotaryCommutant
 from quotient_manifolds.models import discovery as disc
-from quotient_manifolds.models.families import attention_layouts as layouts
 from quotient_manifolds.models import example_inputs, rope_pairs
 from quotient_manifolds.models.blocks import FactorPart
+from quotient_manifolds.models.families import attention_layouts as layouts
 
 torch.set_num_threads(1)
 

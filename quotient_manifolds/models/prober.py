@@ -54,6 +54,7 @@ from .inputs import (
     signature_names,
     torch_inputs,
 )
+from .loss_probe import LossOf
 from .precision import float64_copy, float64_internals, lowest_precision, no_fastpath, run_module
 from .records import PROBE_EXCITATION, PROBE_RTOL, ProbeRecord
 
@@ -321,7 +322,7 @@ class Prober:
     def __init__(self, model: nn.Module, inputs: Any = None, *, seed: int = 0,
                  loss: tuple[Callable, Any] | None = None) -> None:
         self.model = float64_copy(model)
-        self.loss = _LossOf(self.model, *loss) if loss is not None else None
+        self.loss = LossOf(self.model, *loss) if loss is not None else None
         self.gen = torch.Generator().manual_seed(seed)
         self.names = {id(p): n for n, p in self.model.named_parameters()}
         self.users: dict[int, int] = {}
@@ -553,47 +554,6 @@ class Prober:
 
 def _invariant(candidate: object) -> str:
     return getattr(candidate, "invariant", "outputs")
-
-
-class _LossOf:
-    """The user's loss on one batch as a function of the copy's parameters (float64)."""
-
-    def __init__(self, model: nn.Module, loss_fn: Callable, batch: Any) -> None:
-        self.module = _LossModule(model, loss_fn)
-        whole = tree_map(lambda t: t.to(torch.float64) if t.is_floating_point() else t, batch)
-        rows = leading_size(whole)
-        base = {n: p.detach() for n, p in model.named_parameters()} | {
-            n: b for n, b in model.named_buffers()}
-        self.batch = whole
-        if rows is not None and rows > PROBE_ROWS:  # the first rows, as the trace
-            self.batch = tree_map(lambda t: t[:PROBE_ROWS] if t.dim() and t.shape[0] == rows
-                                  else t, whole)
-        try:
-            self.reference = self(base)
-        except Exception:  # noqa: BLE001 -- dim 0 was not the batch: the whole batch
-            self.batch = whole
-            self.reference = self(base)
-
-    def __call__(self, params: Params) -> float:
-        d = {f"model.{n}": t for n, t in params.items()}
-        with torch.no_grad(), no_fastpath(), float64_internals():
-            out = torch.func.functional_call(self.module, d, (self.batch,))
-        return float(out.detach().double().sum()) if isinstance(out, torch.Tensor) else math.nan
-
-    def change(self, params: Params) -> float:
-        v = self(params)
-        if not (math.isfinite(v) and math.isfinite(self.reference)):
-            return math.inf
-        return abs(v - self.reference) / max(abs(self.reference), 1e-300)
-
-
-class _LossModule(nn.Module):
-    def __init__(self, model: nn.Module, loss_fn: Callable) -> None:
-        super().__init__()
-        self.model, self.loss_fn = model, loss_fn
-
-    def forward(self, batch: Any) -> Any:
-        return self.loss_fn(self.model, batch)
 
 
 class Joint:

@@ -259,10 +259,11 @@ class SymmetryFamily:
 
     Class attributes: `name` (for reports), `kind` (`"blocks"` or `"folds"`), `symmetries` (the
     settings of `symmetry` under which the family is asked: by default every one but the
-    paper's; the built-in families added after `"full"` was fixed belong to `"complete"` only). A block family reads `scene.symmetry` where it claims less under `"paper"`.
-    Override `present` for a fold family whose structure can be ruled out without running the
-    model (no norm layer, no bias row): when no fold family is present, the model is not traced
-    for folds.
+    paper's; the built-in families added after `"full"` was fixed belong to `"complete"` only).
+    A block family reads `scene.symmetry` where it claims less under `"paper"`. Override
+    `present` for a fold family whose structure can be ruled out without running the model
+    (no norm layer, no bias row): when no fold family is present, the model is not traced for
+    folds.
     """
 
     name: ClassVar[str] = "family"
