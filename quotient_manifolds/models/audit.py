@@ -344,9 +344,13 @@ def audit(
     if output not in ("log_probs", "outputs"):
         raise ValueError(f"output must be 'log_probs' or 'outputs', got {output!r}")
     work = float64_copy(model)
+    for m in work.modules():  # the padding row is read like any other: its true derivative
+        if isinstance(m, nn.Embedding):
+            m.padding_idx = None
     base_inputs = _inputs_of(work, model, loss_fn, batch, inputs, seed)
-    if symmetries is None:
-        symmetries = discover(model, symmetry=symmetry, warn=False, example_inputs=base_inputs)
+    if symmetries is None:  # symmetries of the audited function (the log-probabilities) count
+        symmetries = discover(model, symmetry=symmetry, warn=False, example_inputs=base_inputs,
+                              loss_fn=_functional(output), batch=base_inputs)
     raw = {n: p.detach() for n, p in work.named_parameters()}
     params, _ = symmetries.canonicalize(raw)
     params = {n: t.detach().to(torch.float64) if t.is_floating_point() else t
@@ -383,6 +387,16 @@ def audit(
                         max((r.gap[1] for r in reports), default=0.0)),
                        {k: v for r in reports for k, v in r.by_parameter.items()}, {},
                        tuple(reports))
+
+
+def _functional(kind: str) -> Callable[[nn.Module, tuple[tuple, dict]], torch.Tensor]:
+    """A fixed random linear functional of the audited outputs, as a loss: invariant exactly
+    where the outputs are (barring a cancellation of probability zero)."""
+    def loss(model: nn.Module, inputs: tuple[tuple, dict]) -> torch.Tensor:
+        y = _outputs(model(*inputs[0], **inputs[1]), kind)
+        w = torch.randn(y.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        return (y * w.to(y)).sum()
+    return loss
 
 
 def _within(candidate: Any, params: dict[str, torch.Tensor], names: Sequence[str]) -> bool:

@@ -16,7 +16,9 @@ from .embeddings import EmbeddingShiftFold, EmbeddingShifts, TiedEmbeddingShiftF
 from .lora import LoRA
 from .mlp import Neurons
 from .norm_gain import NormGainFold, NormGains
+from .norm_shift import NormShiftFold, NormShifts
 from .qk_norm import QKNorms, QKNormScaleFold
+from .rotation import ResidualRotations, RotationFold
 from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "EmbeddingShifts",
     "LayerNormCentring",
     "ReaderCentringFold",
+    "ResidualRotations",
+    "RotationFold",
     "SoftmaxShift",
     "SoftmaxShiftFold",
     "TiedEmbeddingShiftFold",
@@ -36,6 +40,8 @@ __all__ = [
     "Neurons",
     "NormGainFold",
     "NormGains",
+    "NormShiftFold",
+    "NormShifts",
     "QKNormScaleFold",
     "QKNorms",
     "ValueBiasFold",
@@ -49,10 +55,12 @@ FAMILIES: list[SymmetryFamily] = [
     Neurons(),
     QKNorms(),
     NormGains(),
+    NormShifts(),
     BiasTranslations(),
     LayerNormCentring(),
     EmbeddingShifts(),
     SoftmaxShift(),
+    ResidualRotations(),
 ]
 """The families of [`discover`][quotient_manifolds.models.discover], asked in order."""
 

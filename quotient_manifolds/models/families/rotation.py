@@ -1,0 +1,277 @@
+r"""Residual-stream rotations: an orthogonal change of basis of the stream that every reader
+undoes.
+
+In a pre-norm model whose norms' gains are folded into their readers, the residual stream is
+written by the embeddings and the sublayers' output projections and read only through norms
+followed by linear maps. An RMSNorm is equivariant under every rotation,
+$\mathrm{RMS}(Qx) = Q\,\mathrm{RMS}(x)$, so
+$$
+E \mapsto E Q^\top,\qquad W_{\mathrm{out}} \mapsto Q W_{\mathrm{out}},\quad
+b_{\mathrm{out}} \mapsto Q b_{\mathrm{out}},\qquad W_{\mathrm{in}} \mapsto W_{\mathrm{in}} Q^\top
+$$
+for every $Q \in O(d)$ computes the same function; a LayerNorm (with the writers and readers
+centred) is equivariant under the rotations that fix $\mathbb 1$, $O(d-1)$ on $\mathbb 1^\perp$.
+
+The measure is made invariant by a **canonical representative**: the stream is expressed in the
+principal axes of $S = \sum_k V_k^\top V_k / \|V_k\|_F^2$, with $V_k$ every stream parameter
+outside the GL blocks seen from the stream side ($E$, $W_{\mathrm{in}}$, $W_{\mathrm{out}}^\top$,
+$b^\top$), which transforms as $S \mapsto Q S Q^\top$ and is moved by no other symmetry once the
+folds before it are applied (a block's factors are moved by its GL element, which would change
+$S$). With $S = U \Lambda U^\top$ (eigenvalues ascending) and
+each axis' sign fixed by the sign of the third moment $\sum_k \sum_r (V_k u_j)_r^3 /
+\|V_k\|_F^3$, the canonical parameters $V_k U$ are the same for every point of the orbit. The
+other choice, a rotation-invariant metric for the weights outside the blocks, would change
+adaptive sharpness' metric of those weights; the canonical basis keeps it, and costs one
+$d \times d$ eigendecomposition per call. Its price is conditioning: where two eigenvalues (or a
+third moment) nearly coincide, the basis is ill-determined, and `conditioning` records the
+smallest relative gap (a warning is given below $10^{-6}$).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ...errors import ProbeWarning
+from ..linear import ReadQuery, linear_layer, readers_of, storage
+from ..norms import is_norm, norm_bias, norm_offset, norm_weight
+from ..paths import feeds_only, reaches_only
+from ..records import Symmetries
+from ..symmetry import Fold, Scene, SymmetryFamily
+from .centring import CentringFold, ReaderCentringFold, centres
+from .norm_gain import NormGainFold
+
+__all__ = ["ResidualRotations", "RotationFold", "StreamPart"]
+
+Params = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StreamPart:
+    """One parameter seen from the residual stream: `param` (a slice `start:stop` of its rows,
+    for a reader), its stream axis `axis`, and whether it writes the stream (`writer`) or reads
+    it."""
+
+    param: str
+    axis: int
+    writer: bool
+    start: int = 0
+    stop: int = -1
+
+    def view(self, params: Params) -> torch.Tensor:
+        """The `(rows, d)` stream-side view."""
+        t = params[self.param]
+        if t.dim() == 1:
+            return t.reshape(1, -1)
+        v = t if self.axis == 1 else t.transpose(0, 1)
+        stop = v.shape[0] if self.stop < 0 else self.stop
+        return v[self.start:stop]
+
+    def write(self, params: dict, view: torch.Tensor) -> None:
+        t = params[self.param]
+        if t.dim() == 1:
+            params[self.param] = view.reshape(t.shape).to(t.dtype)
+            return
+        v = t if self.axis == 1 else t.transpose(0, 1)
+        stop = v.shape[0] if self.stop < 0 else self.stop
+        new = v.slice_scatter(view.to(t.dtype), 0, self.start, stop)
+        params[self.param] = new if self.axis == 1 else new.transpose(0, 1)
+
+
+def _haar(d: int, generator: torch.Generator | None) -> torch.Tensor:
+    Z = torch.randn(d, d, generator=generator, dtype=torch.float64)
+    Q, R = torch.linalg.qr(Z)
+    return Q * torch.sign(torch.diagonal(R))
+
+
+@dataclass(frozen=True)
+class RotationFold(Fold):
+    r"""$V_k \mapsto V_k Q^\top$ on every stream part (see the module docstring); canonical
+    representative: the principal axes of the stream, signs by the third moment. `gauge` are
+    the folds that bring the norms' gains to one (and, with `centred`, the writers and readers
+    to $\mathbb 1^\perp$) first; `basis_parts` (default: all parts) are the parts the axes are
+    computed from: those no other symmetry moves once the folds before it have been applied
+    (a GL block's factors are moved by its group, so they are left out)."""
+
+    parts: tuple[StreamPart, ...] = ()
+    gauge: tuple[Fold, ...] = ()
+    centred: bool = False
+    d: int = 0
+    basis_parts: tuple[StreamPart, ...] = ()
+
+    kind = "rotation"
+    order = 5.0
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys([p.param for p in self.parts]
+                                   + [n for f in self.gauge for n in f.params]))
+
+    def _rotate(self, params: Params, Q: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = dict(params)
+        for p in self.parts:
+            v = p.view(out)
+            p.write(out, v @ Q.to(v.dtype).T)
+        return out
+
+    def _gauged(self, params: Params) -> dict[str, torch.Tensor]:
+        return Symmetries((), folds=self.gauge).canonicalize(params)[0]
+
+    def basis(self, params: Params) -> tuple[torch.Tensor, float]:
+        """`(U, conditioning)`: the canonical axes (columns) of the stream at `params` (gauged)
+        and the smallest relative eigenvalue or third-moment gap."""
+        d = self.d
+        S = torch.zeros(d, d, dtype=torch.float64)
+        views = [p.view(params).to(torch.float64) for p in self.basis_parts or self.parts]
+        for v in views:
+            n2 = float(v.pow(2).sum())
+            if n2 > 0:
+                S += v.T @ v / n2
+        if self.centred:
+            one = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
+            P = torch.eye(d, dtype=torch.float64) - one @ one.T
+            lam, U = torch.linalg.eigh(P @ S @ P)
+            keep = (U.T @ one).abs().squeeze(1) < 0.5  # drop the 1 direction
+            lam, U = lam[keep][-(d - 1):], U[:, keep][:, -(d - 1):]
+        else:
+            lam, U = torch.linalg.eigh(S)
+        third = torch.zeros(U.shape[1], dtype=torch.float64)
+        for v in views:
+            n = float(v.pow(2).sum().sqrt())
+            if n > 0:
+                third += ((v @ U) / n).pow(3).sum(0)
+        U = U * torch.where(third < 0, -1.0, 1.0)
+        scale = float(lam.abs().max()) or 1.0
+        gaps = (lam[1:] - lam[:-1]).abs() / scale if lam.numel() > 1 else lam.new_ones(1)
+        cond = min(float(gaps.min()), float(third.abs().min() / (third.abs().max() or 1.0)))
+        if self.centred:
+            U = torch.cat([one, U], dim=1)
+        return U, cond
+
+    def apply(self, params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            params, frozen = Symmetries((), folds=self.gauge).canonicalize(params)
+            U, cond = self.basis(params)
+            if cond < 1e-6:
+                warnings.warn(
+                    f"the canonical basis of the residual stream of {self.module or '<root>'} "
+                    f"is ill-conditioned (smallest relative eigenvalue or third-moment gap "
+                    f"{cond:.1e}): the measure is invariant under rotations only to about that "
+                    "precision", ProbeWarning, stacklevel=3)
+            return self._rotate(params, U.T), frozen
+
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            Q = _haar(self.d, generator)
+            if self.centred:  # a rotation of the complement of 1
+                one = torch.full((self.d, 1), 1 / math.sqrt(self.d), dtype=torch.float64)
+                B = torch.linalg.qr(torch.cat([one, torch.eye(self.d, dtype=torch.float64)],
+                                              1))[0][:, : self.d]
+                B[:, 0] = one[:, 0]
+                R = torch.eye(self.d, dtype=torch.float64)
+                R[1:, 1:] = _haar(self.d - 1, generator)
+                Q = B @ R @ B.T
+            return self._rotate(self._gauged(params), Q)
+
+    def lie_dim(self, params: Params) -> int:
+        return self.d * self.d
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        X = theta.reshape(self.d, self.d)
+        X = X - X.T
+        if self.centred:
+            one = torch.full((self.d, 1), 1 / math.sqrt(self.d), dtype=torch.float64)
+            P = torch.eye(self.d, dtype=torch.float64) - one @ one.T
+            X = P @ X @ P
+        return self._rotate(params, torch.linalg.matrix_exp(X))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "d": self.d, "centred": self.centred,
+                "parts": len(self.parts)}
+
+
+class ResidualRotations(SymmetryFamily):
+    """The rotations of the residual stream of a pre-norm model (see the module docstring)."""
+
+    name = "residual rotations"
+    kind = "folds"
+    symmetries = ("complete",)
+
+    def present(self, scene: Scene) -> bool:
+        return any(is_norm(m) for m in scene.modules.values())
+
+    def find(self, scene: Scene) -> None:
+        p = scene.prober
+        calls = [(c.name, p.modules[c.name], c.args, c.kwargs) for c in p.calls
+                 if any(True for _ in p.modules[c.name].parameters(recurse=False))]
+        tables = [m for m in p.modules.values() if isinstance(m, nn.Embedding)]
+        if not tables:
+            return
+        d = max(tables, key=lambda t: t.num_embeddings).embedding_dim  # the stream's width
+        norms: dict[str, tuple] = {}
+        for c in p.calls:
+            m = p.modules[c.name]
+            if (c.name in norms or not is_norm(m) or not isinstance(c.out, torch.Tensor)
+                    or norm_weight(m).numel() != d):
+                continue
+            found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
+            if not found or not found[0] or not reaches_only(p, c.name, found[1]):
+                return  # a norm that is not a pre-norm: the stream is read elsewhere
+            norms[c.name] = (m, c, found[0])
+        if not norms:
+            return
+        centred = [centres(m, c.args, c.kwargs) for m, c, _ in norms.values()]
+        if any(centred) and not all(centred):
+            return
+        readers = {(x.weight, x.start, x.stop): x for _, _, cons in norms.values() for x in cons}
+        gauge: list[Fold] = []
+        parts = [StreamPart(x.weight, x.in_axis, False, x.start, x.stop)
+                 for x in readers.values()]
+        for name, (m, c, cons) in norms.items():
+            offset = norm_offset(m, c.args, c.kwargs)
+            if offset is None:
+                return
+            b = p.pname(norm_bias(m))
+            gauge.append(NormGainFold(name, p.name(norm_weight(m)), b, offset, tuple(cons),
+                                      "none" if b is None else "fold"))
+        reader_names = {x.weight for x in readers.values()}
+        sources = [c.name for c in p.calls if c.name not in norms and (
+            isinstance(p.modules[c.name], nn.Embedding)
+            and p.modules[c.name].embedding_dim == d
+            or (lin := linear_layer(p.modules[c.name])) is not None and lin.out_features == d
+            and p.name(lin.weight) not in reader_names)]
+        feeds = feeds_only(p, sources, list(norms))
+        for name in dict.fromkeys(sources):
+            if not feeds[name]:
+                continue
+            m = p.modules[name]
+            if isinstance(m, nn.Embedding):
+                parts.append(StreamPart(p.name(m.weight), 1, True))
+                if centred[0]:
+                    gauge.append(CentringFold(name, p.name(m.weight), 1))
+                continue
+            lin = linear_layer(m)
+            assert lin is not None
+            axis = 1 if lin.transposed else 0
+            parts.append(StreamPart(p.name(lin.weight), axis, True))
+            if centred[0]:
+                gauge.append(CentringFold(name, p.name(lin.weight), axis))
+            if lin.bias is not None:
+                parts.append(StreamPart(p.name(lin.bias), 0, True))
+                if centred[0]:
+                    gauge.append(CentringFold(name, p.name(lin.bias), 0))
+        if centred[0]:
+            gauge += [ReaderCentringFold(name, x, p.name(norm_weight(m)), None, 0.0)
+                      for name, (m, _, cons) in norms.items() for x in cons]
+        gauge.sort(key=lambda f: f.order)
+        in_blocks = {n for b in scene.blocks for n in b.params}
+        basis = tuple(x for x in parts if x.param not in in_blocks)
+        if not basis:
+            return  # every stream part moves with a block: no invariant to fix the axes
+        scene.propose([RotationFold("", tuple(parts), tuple(gauge), bool(centred[0]), d, basis)])
