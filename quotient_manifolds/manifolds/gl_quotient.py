@@ -9,7 +9,7 @@ import torch
 from ..errors import RankDeficientError, ShapeError
 from ..geometry import gl, subgroup
 from ..geometry.linalg import GRAM_DTYPE, transpose
-from .base import QuotientManifold, TangentSpace, assert_broadcastable
+from .base import QuotientManifold, TangentSpace, assert_broadcastable, into
 
 __all__ = ["GLQuotient", "GLTangentSpace", "group_action"]
 
@@ -97,10 +97,11 @@ class GLTangentSpace(TangentSpace):
         r"""$(u_G + G\Lambda, u_H - H\Lambda^\top)$, metric-orthogonal onto the horizontal space."""
         return _join(*self._project(*self.split(u)), u.dtype)
 
-    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
-        r"""inv: $\Pi(\nabla_G P, \nabla_H Q)$; mix: $\Pi(\nabla_G Q^{-1}, \nabla_H P^{-1})$."""
+    def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r"""inv: $\Pi(\nabla_G P, \nabla_H Q)$; mix: $\Pi(\nabla_G Q^{-1}, \nabla_H P^{-1})$
+        (into `out`, which may be `g`, if given)."""
         rG, rH = gl.egrad2rgrad(*self.split(g), self.grams, self.metric)
-        return _join(*self._project(rG, rH), g.dtype)
+        return into(_join(*self._project(rG, rH), g.dtype), out)
 
     def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         r"""The horizontal projection orthogonal in $\sum u^2 / w_2$, by conjugate gradients.
@@ -152,7 +153,8 @@ class GLTangentSpace(TangentSpace):
         cG, cH = gl.christoffel(self.G, self.H, uG, uH, vG, vH, self.grams, self.metric)
         return _join(cG, cH, u.dtype)
 
-    def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+    def retract(self, u: torch.Tensor, kind: str | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         r"""As [`TangentSpace.retract`][quotient_manifolds.manifolds.base.TangentSpace.retract];
         the second order runs as one fused kernel
         (`quotient_manifolds.geometry.gl.second_order_packed`), equal to
@@ -162,8 +164,8 @@ class GLTangentSpace(TangentSpace):
         if kind != "second_order" or (torch.is_grad_enabled() and self.x0.requires_grad):
             # the fused kernel differentiates in u only; a base point that needs a gradient
             # takes the autograd path through x0 + u − ½Γ(u, u)
-            return super().retract(u, kind)
-        return gl.second_order_packed(self.x0, u, self.n, self.grams, self.metric)
+            return super().retract(u, kind, out=out)
+        return into(gl.second_order_packed(self.x0, u, self.n, self.grams, self.metric), out)
 
     def geodesic(self, u: torch.Tensor) -> torch.Tensor:
         """RK4 in the $2h$-dim span of $[F, u_F]$
