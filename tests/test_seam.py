@@ -604,6 +604,29 @@ def test_the_engine_reaches_the_geometry_only_through_tangent_spaces():
     assert gl.METRICS == ("inv", "mix")
 
 
+def test_the_adaptive_point_is_the_tangent_spaces_retraction(monkeypatch):
+    """`params_and_leaves` reaches the first-order adaptive point $w + \\xi$ through the
+    adaptive tangent space's `retract`, into one buffer reused from call to call."""
+    geo = qm.ModelGeometry(_nonzero_biases(MHANet().double()), warn=False)
+    space = geo.adaptive_space
+    calls = []
+    retract = space.retract
+
+    def spy(u, kind=None, *, out=None):
+        calls.append((kind, out))
+        return retract(u, kind, out=out)
+
+    monkeypatch.setattr(space, "retract", spy)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        xi = 1e-2 * torch.randn(geo.D, generator=gen, dtype=geo.dtype)
+        _, leaves = geo.params_and_leaves(xi)
+        point = torch.cat([t.detach().reshape(-1) for t in leaves[len(geo.groups):]])
+        assert torch.equal(point, space.x0 + geo.space.split(xi)[-1])
+    assert [k for k, _ in calls] == ["first_order"] * 2
+    assert calls[0][1] is not None and calls[1][1] is calls[0][1]
+
+
 class _TwoInputClassifier(torch.nn.Module):
     """A model whose forward needs two inputs: no default example input reaches it."""
 
