@@ -16,6 +16,7 @@ from torch import nn
 
 import quotient_manifolds as qm
 from quotient_manifolds.geometry import gl
+from quotient_manifolds.manifolds.base import TangentSpace
 from quotient_manifolds.manifolds.product import ProductTangentSpace
 from quotient_manifolds.sharpness import feasible as F
 
@@ -325,6 +326,88 @@ def test_feasible_sets_on_a_batch_of_problems():
         assert s.shape == (3, 8) and bool((ball.proju(s) - s).abs().max() < 1e-12)
 
 
+def _one_space_per_family(dtype: torch.dtype = F64) -> list[TangentSpace]:
+    """A tangent space of every manifold family at a batch of 2 problems."""
+    g = torch.Generator().manual_seed(11)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.rand(*shape, generator=g, dtype=F64) + 0.5).to(dtype)
+
+    sub = qm.manifolds.BlockDiagonal(2, ((0,), (1,)))
+    return [qm.GLQuotient(3, 3, "inv").at(torch.randn(2, 6, 2, generator=g).to(dtype)),
+            qm.GLQuotient(3, 3, "mix", subalgebra=sub).at(
+                torch.randn(2, 6, 2, generator=g).to(dtype)),
+            qm.DiagonalQuotient("inv").at(rand(2, 2, 3)),
+            qm.AdaptiveEuclidean(ndim=1).at(rand(2, 5))]
+
+
+@pytest.mark.parametrize("kind", ["first_order", "second_order", "exact"])
+def test_retract_into_a_buffer_is_the_retraction(kind):
+    """`retract(u, kind, out=buf)` writes the same point into `buf`, bit for bit."""
+    for ts in _one_space_per_family():
+        u = 0.05 * ts.proju(torch.randn(ts.x0.shape, generator=torch.Generator().manual_seed(1),
+                                        dtype=F64))
+        buf = torch.full_like(ts.x0, float("nan"))
+        y = ts.retract(u, kind, out=buf)
+        assert y is buf, type(ts).__name__
+        assert torch.equal(buf, ts.retract(u, kind)), (type(ts).__name__, kind)
+
+
+class _SpyFactor(TangentSpace):
+    """⟨u, v⟩ = Σ u v / 2 on the last dimension, no vertical space; counts the product's
+    requests for its gradient and norm."""
+
+    calls = 0
+
+    def inner(self, u, v=None):
+        return (u * (u if v is None else v)).sum(-1) / 2
+
+    def proju(self, u):
+        return u
+
+    def egrad2rgrad(self, g, *, out=None):
+        return 2.0 * g if out is None else torch.mul(g, 2.0, out=out)
+
+    def egrad2rgrad_and_norm2(self, g, *, out=None):
+        type(self).calls += 1
+        r = self.egrad2rgrad(g, out=out)
+        return r, self.inner(r)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+def test_the_product_asks_each_factor_for_its_gradient(dtype):
+    """The product's gradient and norm come from each factor's own answer, whatever its type
+    (a factor class unknown to the product included), and land in the input."""
+    spaces = [*_one_space_per_family(dtype),
+              _SpyFactor(qm.AdaptiveEuclidean(), torch.ones(2, 4, dtype=dtype))]
+    if dtype == torch.bfloat16:  # the block factors need float32 or float64 algebra
+        spaces = [s for s in spaces if not isinstance(s, qm.manifolds.gl_quotient.GLTangentSpace)]
+    P = ProductTangentSpace(spaces, (2,))
+    g = torch.randn(2, P.D, generator=torch.Generator().manual_seed(2)).to(dtype)
+    expected = P.egrad2rgrad(g)
+    _SpyFactor.calls = 0
+    g_in = g.clone()
+    r, n2 = P.egrad2rgrad_and_norm2(g_in)
+    assert _SpyFactor.calls == 1
+    assert r is g_in
+    assert torch.equal(r, expected)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(n2.double(), P.inner(expected).double(), rtol=tol, atol=0)
+    out = torch.full_like(g, float("nan"))
+    assert P.egrad2rgrad(g, out=out) is out and torch.equal(out, expected)
+    for s, a in zip(P.spaces, P.split(g.clone()), strict=True):  # out=g, factor by factor
+        want = s.egrad2rgrad(a.clone())
+        assert s.egrad2rgrad(a, out=a) is a and torch.equal(a, want), type(s).__name__
+
+
+def test_the_product_knows_no_concrete_factor():
+    path = ROOT / "manifolds" / "product.py"
+    names = _imports(path)
+    assert all(not n.startswith(f"quotient_manifolds.manifolds.{m}")
+               for n in names for m in ("adaptive", "diagonal", "gl_quotient")), names
+    assert "isinstance" not in path.read_text()
+
+
 # -- parameters, errors ---------------------------------------------------------------------
 def test_params_selection_forms():
     model = MHANet()
@@ -519,6 +602,29 @@ def test_the_engine_reaches_the_geometry_only_through_tangent_spaces():
         assert space.manifold is grp.manifold
     assert isinstance(geo.space.spaces[-1], qm.manifolds.adaptive.AdaptiveTangentSpace)
     assert gl.METRICS == ("inv", "mix")
+
+
+def test_the_adaptive_point_is_the_tangent_spaces_retraction(monkeypatch):
+    """`params_and_leaves` reaches the first-order adaptive point $w + \\xi$ through the
+    adaptive tangent space's `retract`, into one buffer reused from call to call."""
+    geo = qm.ModelGeometry(_nonzero_biases(MHANet().double()), warn=False)
+    space = geo.adaptive_space
+    calls = []
+    retract = space.retract
+
+    def spy(u, kind=None, *, out=None):
+        calls.append((kind, out))
+        return retract(u, kind, out=out)
+
+    monkeypatch.setattr(space, "retract", spy)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        xi = 1e-2 * torch.randn(geo.D, generator=gen, dtype=geo.dtype)
+        _, leaves = geo.params_and_leaves(xi)
+        point = torch.cat([t.detach().reshape(-1) for t in leaves[len(geo.groups):]])
+        assert torch.equal(point, space.x0 + geo.space.split(xi)[-1])
+    assert [k for k, _ in calls] == ["first_order"] * 2
+    assert calls[0][1] is not None and calls[1][1] is calls[0][1]
 
 
 class _TwoInputClassifier(torch.nn.Module):

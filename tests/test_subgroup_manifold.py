@@ -17,6 +17,7 @@ from quotient_manifolds.errors import ShapeError
 from quotient_manifolds.geometry import gl
 from quotient_manifolds.geometry import subgroup as sg
 from quotient_manifolds.manifolds.checks import metric_tensor, reference_geodesic
+from quotient_manifolds.manifolds.gl_quotient import GLTangentSpace, SubgroupTangentSpace
 
 RC = sg.RotaryCommutant
 SUBS = {"rope4": RC.rotate_half(4), "partial": RC.rotate_half(4, 2),
@@ -191,6 +192,48 @@ def test_retraction_order_unchanged(metric):
     assert 1.8 < slope(errs["first_order"]) < 2.3, errs
     assert 2.7 < slope(errs["second_order"]) < 3.4, errs
     assert all(math.isfinite(e) for e in errs["second_order"])
+
+
+@pytest.mark.parametrize("metric", ["inv", "mix"])
+def test_the_subgroup_is_a_subclass_of_the_gl_tangent_space(sub, metric):
+    """`at` picks the class from `subalgebra`; the GL class never consults a subalgebra."""
+    gen = torch.Generator().manual_seed(8)
+    M = manifold(sub, metric)
+    full = qm.GLQuotient(N_ROWS, M_ROWS, metric=metric)
+    x = point(M, gen)
+    u = torch.randn(x.shape, generator=gen)
+    w = torch.rand(x.shape, generator=gen) + 0.5
+    T, T_gl = M.at(x), full.at(x)
+    assert type(T) is SubgroupTangentSpace and T.subalgebra is sub
+    assert type(T_gl) is GLTangentSpace
+    # a GLTangentSpace built on the subgroup manifold is the full GL(h) quotient's
+    T_forced = GLTangentSpace(M, x)
+    for name in ("proju", "egrad2rgrad", "horizontal_residual", "horizontal_residual_scale"):
+        torch.testing.assert_close(getattr(T_forced, name)(u), getattr(T_gl, name)(u),
+                                   rtol=0, atol=0)
+    torch.testing.assert_close(T_forced.proju_weighted(u, w), T_gl.proju_weighted(u, w),
+                               rtol=0, atol=0)
+    # ... and the subclass answers with the subgroup's kernels
+    torch.testing.assert_close(T.horizontal_residual(u), sg.horizontal_residual(
+        T.G, T.H, *T.split(u), T.grams, metric, sub), rtol=0, atol=0)
+    torch.testing.assert_close(T.horizontal_residual_scale(u), sg.horizontal_residual_scale(
+        T.G, T.H, *T.split(u), T.grams, metric, sub), rtol=0, atol=0)
+    assert float(T.horizontal_residual(T.proju(u)).abs().max()) < 1e-5
+    assert not torch.allclose(T.proju(u), T_gl.proju(u))
+    # what the metric, Γ and the retractions see is shared
+    v = T.proju(u)
+    torch.testing.assert_close(T.inner(v), T_gl.inner(v), rtol=0, atol=0)
+    torch.testing.assert_close(T.christoffel(v), T_gl.christoffel(v), rtol=0, atol=0)
+
+
+def test_subgroup_tangent_space_checks_its_subalgebra():
+    gen = torch.Generator().manual_seed(9)
+    full = qm.GLQuotient(N_ROWS, M_ROWS)
+    x = point(full, gen)
+    with pytest.raises(ValueError, match="subalgebra"):
+        SubgroupTangentSpace(full, x)
+    with pytest.raises(ShapeError, match="h = 6"):
+        SubgroupTangentSpace(manifold(RC.rotate_half(6)), x)
 
 
 def test_mismatched_head_dimension_is_a_named_error():

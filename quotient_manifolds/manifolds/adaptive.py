@@ -8,7 +8,7 @@ from geoopt.utils import broadcast_shapes
 from ..errors import ShapeError, ZeroWeightError
 from ..geometry import adaptive as am
 from ..geometry.linalg import compute_dtype
-from .base import QuotientManifold, TangentSpace
+from .base import QuotientManifold, TangentSpace, into
 
 __all__ = ["AdaptiveEuclidean", "AdaptiveTangentSpace"]
 
@@ -69,10 +69,18 @@ class AdaptiveTangentSpace(TangentSpace):
         return self.proju(u)
 
     def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        r"""$(w^2 + \varepsilon) \odot \nabla L$ (into `out` if given)."""
+        r"""$(w^2 + \varepsilon) \odot \nabla L$ (into `out`, which may be `g`, if given)."""
         if out is not None and g.dtype == self.dtype:
             return torch.mul(g, self.c2, out=out)
-        return (self.c2 * g.to(self.dtype)).to(g.dtype)
+        return into((self.c2 * g.to(self.dtype)).to(g.dtype), out)
+
+    def egrad2rgrad_and_norm2(self, g: torch.Tensor, *, out: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""$r = (w^2 + \varepsilon) \odot \nabla L$ (into `out`, which may be `g`, if given)
+        and $\|r\|^2_w$ from the metric, one value per block (`g` may be overwritten
+        before the pairing)."""
+        r = self.egrad2rgrad(g, out=out)
+        return r, self.inner(r)
 
     def _frozen_zero(self, t: torch.Tensor, where_frozen: torch.Tensor | float) -> torch.Tensor:
         return torch.where(self.live, t, where_frozen) if self.frozen else t

@@ -20,7 +20,7 @@ from ..errors import NonFiniteError, ShapeError
 from ..geometry.gl import check_finite
 
 __all__ = ["RETRACTIONS", "QuotientManifold", "TangentSpace", "assert_broadcastable",
-           "check_retraction", "standard_normal"]
+           "check_retraction", "into", "standard_normal"]
 
 RETRACTIONS = ("first_order", "second_order", "exact")
 r"""The retractions of every manifold, by name:
@@ -60,6 +60,17 @@ def standard_normal(shape: Sequence[int], generator: Generator, dtype: torch.dty
                              "generator per entry of the first dimension")
         z = torch.stack([torch.randn(shape[1:], generator=g, dtype=dtype) for g in gens])
     return z.to(device)
+
+
+def into(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """`t`, or `t` written into `out` (and `out` returned) if `out` is given.
+
+    The `out=` keyword of the tangent spaces' methods: `out` may alias an input of the
+    computation that produced `t`, which is complete before the copy.
+    """
+    if out is None or out is t:
+        return t
+    return out.copy_(t)
 
 
 def assert_broadcastable(shapes: dict, ndim: int) -> None:
@@ -117,9 +128,35 @@ class TangentSpace:
         """
         raise NotImplementedError
 
-    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
-        """The horizontal Riemannian gradient of a Euclidean gradient `g`."""
+    def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The horizontal Riemannian gradient of a Euclidean gradient `g` (written into `out`,
+        which may be `g`, if given)."""
         raise NotImplementedError
+
+    def egrad2rgrad_and_norm2(self, g: torch.Tensor, *, out: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""The Riemannian gradient $r$ of `g` (into `out`, which may be `g`, if given) and the
+        terms of its squared norm $\|r\|^2_{x_0}$.
+
+        The terms are a tensor with the leading dimensions of `x0` whose sum over its other
+        dimensions is the squared norm of each problem. By default they are the entries of
+        $\nabla L \odot r$ (`g * r`): for $r = \Pi(\mathcal G^{-1} \nabla L)$, with
+        $\mathcal G$ the metric at $x_0$ and $\Pi$ its orthogonal projection onto the
+        horizontal space, $\|r\|^2_{x_0} = \langle \mathcal G^{-1}\nabla L, r\rangle_{x_0} =
+        \langle \nabla L, r\rangle_E$, which needs no metric product. A space whose
+        `egrad2rgrad` writes over `g` before that pairing (`out` is `g`) answers with the
+        metric instead.
+
+        Returns
+        -------
+        r : Tensor
+            The Riemannian gradient (`out` if given).
+        norm2 : Tensor
+            The terms of $\|r\|^2_{x_0}$.
+        """
+        r = self.egrad2rgrad(g)
+        terms = g * r
+        return into(r, out), terms
 
     # -- curvature and retractions ----------------------------------------------
     def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
@@ -131,19 +168,25 @@ class TangentSpace:
         r"""The geodesic $\gamma_u(1)$ from $x_0$."""
         raise NotImplementedError
 
-    def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+    def retract(self, u: torch.Tensor, kind: str | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         r"""The point reached from $x_0$ along `u` by the retraction `kind`.
 
         `kind` is one of [`RETRACTIONS`][quotient_manifolds.manifolds.base.RETRACTIONS]; `None`
-        uses the manifold's `retraction`. Differentiable in `u`.
+        uses the manifold's `retraction`. Differentiable in `u`, unless `out` is given: then
+        the point is written into `out` (a tensor of the point's shape, which the caller may
+        reuse from call to call; the first order $x_0 + u$ then allocates nothing), and `u`
+        must not require a gradient.
         """
         kind = self.manifold.retraction if kind is None else kind
         if kind == "first_order":
-            return self.x0 + u
+            return self.x0 + u if out is None else torch.add(self.x0, u, out=out)
         if kind == "second_order":
-            return self.x0 + u - 0.5 * self.christoffel(u)
+            if out is None:
+                return self.x0 + u - 0.5 * self.christoffel(u)
+            return torch.sub(self.x0 + u, 0.5 * self.christoffel(u), out=out)
         if kind == "exact":
-            return self.geodesic(u)
+            return into(self.geodesic(u), out)
         check_retraction(kind)  # raises ValueError: kind is none of RETRACTIONS
         raise AssertionError(f"retraction {kind!r} is in RETRACTIONS but not handled")
 

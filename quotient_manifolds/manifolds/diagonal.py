@@ -8,7 +8,7 @@ from ..errors import RankDeficientError, ShapeError
 from ..geometry import diagonal as dm
 from ..geometry.gl import METRICS
 from ..geometry.linalg import compute_dtype
-from .base import Generator, QuotientManifold, TangentSpace, assert_broadcastable
+from .base import Generator, QuotientManifold, TangentSpace, assert_broadcastable, into
 
 __all__ = ["DiagonalQuotient", "DiagonalTangentSpace"]
 
@@ -56,10 +56,11 @@ class DiagonalTangentSpace(TangentSpace):
         b = (ea * self.u / wa + ec * self.v / wc) / (self.u**2 / wa + self.v**2 / wc)
         return self._join(b * self.u, b * self.v, u.dtype)
 
-    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
+    def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         r"""inv: $\Pi(u^2 \partial_u L, v^2 \partial_v L)$; mix: $\Pi(\partial_u L / v^2,
-        \partial_v L / u^2)$."""
-        return self._join(*dm.egrad2rgrad(self.u, self.v, *self._split(g), self.metric), g.dtype)
+        \partial_v L / u^2)$ (into `out`, which may be `g`, if given)."""
+        return into(self._join(*dm.egrad2rgrad(self.u, self.v, *self._split(g), self.metric),
+                               g.dtype), out)
 
     def christoffel(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         r"""$\Gamma_x(u, v)$ of

@@ -9,9 +9,9 @@ import torch
 from ..errors import RankDeficientError, ShapeError
 from ..geometry import gl, subgroup
 from ..geometry.linalg import GRAM_DTYPE, transpose
-from .base import QuotientManifold, TangentSpace, assert_broadcastable
+from .base import QuotientManifold, TangentSpace, assert_broadcastable, into
 
-__all__ = ["GLQuotient", "GLTangentSpace", "group_action"]
+__all__ = ["GLQuotient", "GLTangentSpace", "SubgroupTangentSpace", "group_action"]
 
 #: relative residual at which the conjugate-gradient solve of `proju_weighted` stops
 CG_TOL = 1e-12
@@ -40,17 +40,23 @@ def group_action(x: torch.Tensor, g: torch.Tensor, n: int, *, one_sided: bool = 
 
 class GLTangentSpace(TangentSpace):
     r"""The horizontal tangent space of [`GLQuotient`][quotient_manifolds.manifolds.GLQuotient]
-    at one point $x_0 = [G; H]$ (or a batch of blocks).
+    at one point $x_0 = [G; H]$ (or a batch of blocks), for the quotient by the full GL(h).
 
     The Gram matrices $P = G^\top G + \varepsilon I$, $Q = H^\top H + \varepsilon I$, their
     inverses and Cholesky factors are computed once (float64); the Sylvester eigenbasis of the
     projection and the Cholesky factors of the sampler on first use.
+
+    The vertical space is $\{(GX, -HX^\top) : X \in \mathfrak{gl}(h)\}$ (Def. 3.1). The
+    quotient by a subgroup is the subclass
+    [`SubgroupTangentSpace`][quotient_manifolds.manifolds.gl_quotient.SubgroupTangentSpace],
+    which replaces the projection, the horizontal condition and the restriction of the
+    weighted projection's system to the subalgebra; the metric, $\Gamma$ and the retractions
+    are the same.
     """
 
     def __init__(self, manifold: GLQuotient, x0: torch.Tensor) -> None:
         super().__init__(manifold, x0)
         self.n, self.metric, self.eps = manifold.n, manifold.metric, manifold.eps
-        self.sub = manifold.subalgebra
         self.G, self.H = x0[..., : self.n, :], x0[..., self.n :, :]
         self.grams = gl.grams(self.G, self.H, self.eps)
 
@@ -63,11 +69,6 @@ class GLTangentSpace(TangentSpace):
         if self.metric == "inv" or self.eps > 0:
             return gl.sylvester_basis(self.grams, self.metric)
         return None
-
-    @cached_property
-    def sub_system(self):
-        """The per-point system of the subgroup projection (subalgebra only)."""
-        return subgroup.subgroup_system(self.G, self.H, self.grams, self.metric, self.sub)
 
     @cached_property
     def _sampler(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,19 +89,30 @@ class GLTangentSpace(TangentSpace):
         return gl.inner(self.G, self.H, uG, uH, vG, vH, self.grams, self.metric).to(u.dtype)
 
     def _project(self, uG: torch.Tensor, uH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.sub is None:
-            return gl.project(self.G, self.H, uG, uH, self.grams, self.metric, self.basis)
-        return subgroup.project(self.G, self.H, uG, uH, self.grams, self.metric, self.sub,
-                                   self.sub_system)
+        return gl.project(self.G, self.H, uG, uH, self.grams, self.metric, self.basis)
+
+    def _restrict(self, X: torch.Tensor) -> torch.Tensor:
+        r"""$\pi_{\mathfrak k}$, the Frobenius-orthogonal projection onto the Lie algebra of the
+        group: the identity on $\mathfrak{gl}(h)$."""
+        return X
+
+    def _cg_preconditioner(self, G: torch.Tensor, H: torch.Tensor, wG: torch.Tensor,
+                           wH: torch.Tensor, MG: torch.Tensor, MH: torch.Tensor,
+                           b: torch.Tensor) -> torch.Tensor:
+        r"""The Jacobi preconditioner of the weighted projection's system: the diagonal of
+        $Y \mapsto R(w_2 \odot R^*(Y))$ (float64, zeros replaced by 1)."""
+        d = transpose(G * G) @ wG @ (MG * MG) + (MH * MH) @ transpose(wH) @ (H * H)
+        return torch.where(d > 0, d, 1.0)
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:
         r"""$(u_G + G\Lambda, u_H - H\Lambda^\top)$, metric-orthogonal onto the horizontal space."""
         return _join(*self._project(*self.split(u)), u.dtype)
 
-    def egrad2rgrad(self, g: torch.Tensor) -> torch.Tensor:
-        r"""inv: $\Pi(\nabla_G P, \nabla_H Q)$; mix: $\Pi(\nabla_G Q^{-1}, \nabla_H P^{-1})$."""
+    def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        r"""inv: $\Pi(\nabla_G P, \nabla_H Q)$; mix: $\Pi(\nabla_G Q^{-1}, \nabla_H P^{-1})$
+        (into `out`, which may be `g`, if given)."""
         rG, rH = gl.egrad2rgrad(*self.split(g), self.grams, self.metric)
-        return _join(*self._project(rG, rH), g.dtype)
+        return into(_join(*self._project(rG, rH), g.dtype), out)
 
     def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         r"""The horizontal projection orthogonal in $\sum u^2 / w_2$, by conjugate gradients.
@@ -113,17 +125,19 @@ class GLTangentSpace(TangentSpace):
         \eta = u + w_2 \odot R^*(Y), \qquad R(w_2 \odot R^*(Y)) = -R(u),
         $$
 
-        with $R^*(Y) = (G Y M_G, -H Y^\top M_H)$. The $h \times h$ system (restricted to the
-        subalgebra $\mathfrak k$ if one is given) is symmetric positive definite and is solved
-        by batched, Jacobi-preconditioned conjugate gradients in float64 to a relative residual
-        of `CG_TOL` (or until it stalls).
+        with $R^*(Y) = (G Y M_G, -H Y^\top M_H)$. The $h \times h$ system (on the Lie algebra
+        of the group: all of $\mathfrak{gl}(h)$ here, $\mathfrak k$ in
+        [`SubgroupTangentSpace`][quotient_manifolds.manifolds.gl_quotient.SubgroupTangentSpace])
+        is symmetric positive definite and is solved by batched conjugate gradients in float64
+        (Jacobi-preconditioned on $\mathfrak{gl}(h)$) to a relative residual of `CG_TOL` (or
+        until it stalls).
         """
         out_dt = u.dtype
         uG, uH = (t.to(GRAM_DTYPE) for t in self.split(u))
         wG, wH = (t.to(GRAM_DTYPE) for t in self.split(w2.expand_as(u)))
         G, H = self.G.to(GRAM_DTYPE), self.H.to(GRAM_DTYPE)
         MG, MH = self._metric_matrices()
-        proj = (lambda X: X) if self.sub is None else self.sub.project
+        proj = self._restrict
 
         def R(aG, aH):
             return transpose(G) @ aG @ MG - MH @ transpose(aH) @ H
@@ -136,11 +150,7 @@ class GLTangentSpace(TangentSpace):
             return proj(R(wG * sG, wH * sH))
 
         b = -proj(R(uG, uH))
-        if self.sub is None:  # the diagonal of A: Jacobi preconditioner
-            d = transpose(G * G) @ wG @ (MG * MG) + (MH * MH) @ transpose(wH) @ (H * H)
-            d = torch.where(d > 0, d, 1.0)
-        else:
-            d = torch.ones_like(b)
+        d = self._cg_preconditioner(G, H, wG, wH, MG, MH, b)
         Y = _cg(A, b, d, tol=CG_TOL, max_iter=10 * b.shape[-1] ** 2 + 100)
         sG, sH = R_star(Y)
         return _join(uG + wG * sG, uH + wH * sH, out_dt)
@@ -152,7 +162,8 @@ class GLTangentSpace(TangentSpace):
         cG, cH = gl.christoffel(self.G, self.H, uG, uH, vG, vH, self.grams, self.metric)
         return _join(cG, cH, u.dtype)
 
-    def retract(self, u: torch.Tensor, kind: str | None = None) -> torch.Tensor:
+    def retract(self, u: torch.Tensor, kind: str | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         r"""As [`TangentSpace.retract`][quotient_manifolds.manifolds.base.TangentSpace.retract];
         the second order runs as one fused kernel
         (`quotient_manifolds.geometry.gl.second_order_packed`), equal to
@@ -162,8 +173,8 @@ class GLTangentSpace(TangentSpace):
         if kind != "second_order" or (torch.is_grad_enabled() and self.x0.requires_grad):
             # the fused kernel differentiates in u only; a base point that needs a gradient
             # takes the autograd path through x0 + u − ½Γ(u, u)
-            return super().retract(u, kind)
-        return gl.second_order_packed(self.x0, u, self.n, self.grams, self.metric)
+            return super().retract(u, kind, out=out)
+        return into(gl.second_order_packed(self.x0, u, self.n, self.grams, self.metric), out)
 
     def geodesic(self, u: torch.Tensor) -> torch.Tensor:
         """RK4 in the $2h$-dim span of $[F, u_F]$
@@ -180,11 +191,74 @@ class GLTangentSpace(TangentSpace):
 
     def horizontal_residual(self, u: torch.Tensor) -> torch.Tensor:
         """The `h×h` matrix (float64) that vanishes exactly on horizontal vectors."""
-        uG, uH = self.split(u)
-        if self.sub is None:
-            return gl.horizontal_residual(self.G, self.H, uG, uH, self.grams, self.metric)
-        return subgroup.horizontal_residual(self.G, self.H, uG, uH, self.grams, self.metric,
-                                               self.sub)
+        return gl.horizontal_residual(self.G, self.H, *self.split(u), self.grams, self.metric)
+
+    def horizontal_residual_scale(self, u: torch.Tensor) -> torch.Tensor:
+        """The scale of the terms of `horizontal_residual` (what its relative tolerance
+        multiplies)."""
+        return gl.horizontal_residual_scale(self.G, self.H, *self.split(u), self.grams,
+                                            self.metric)
+
+
+class SubgroupTangentSpace(GLTangentSpace):
+    r"""The horizontal tangent space of a
+    [`GLQuotient`][quotient_manifolds.manifolds.GLQuotient] with a `subalgebra`
+    $\mathfrak k$: the quotient by the connected subgroup $\exp(\mathfrak k) \subseteq GL(h)$.
+
+    The vertical space shrinks to $\{(GX, -HX^\top) : X \in \mathfrak k\}$, so the horizontal
+    space grows; the metric, the Christoffel form, the retractions and the sampler's square
+    root are those of [`GLTangentSpace`][quotient_manifolds.manifolds.gl_quotient.GLTangentSpace]
+    (both metrics are GL(h)-invariant, hence invariant under the subgroup). The projection
+    solves the system of `quotient_manifolds.geometry.subgroup.subgroup_system`, built once per
+    point on first use.
+
+    Attributes
+    ----------
+    subalgebra : Subalgebra
+        $\mathfrak k$, acting on the `h` columns of the point.
+    """
+
+    def __init__(self, manifold: GLQuotient, x0: torch.Tensor) -> None:
+        sub = manifold.subalgebra
+        if sub is None:
+            raise ValueError("a SubgroupTangentSpace needs a manifold with a subalgebra")
+        if sub.h != x0.shape[-1]:
+            raise ShapeError(f"the subalgebra acts on h = {sub.h}, but the point "
+                             f"has h = {x0.shape[-1]}")
+        super().__init__(manifold, x0)
+        self.subalgebra: subgroup.Subalgebra = sub
+
+    @cached_property
+    def sub_system(self) -> subgroup.SubgroupSystem:
+        """The per-point system of the subgroup projection."""
+        return subgroup.subgroup_system(self.G, self.H, self.grams, self.metric,
+                                        self.subalgebra)
+
+    def _project(self, uG: torch.Tensor, uH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return subgroup.project(self.G, self.H, uG, uH, self.grams, self.metric,
+                                self.subalgebra, self.sub_system)
+
+    def _restrict(self, X: torch.Tensor) -> torch.Tensor:
+        r"""$\pi_{\mathfrak k}$, the Frobenius-orthogonal projection onto the subalgebra."""
+        return self.subalgebra.project(X)
+
+    def _cg_preconditioner(self, G: torch.Tensor, H: torch.Tensor, wG: torch.Tensor,
+                           wH: torch.Tensor, MG: torch.Tensor, MH: torch.Tensor,
+                           b: torch.Tensor) -> torch.Tensor:
+        r"""No preconditioning (all ones): the diagonal of the system restricted to
+        $\mathfrak k$ is not that of the full one."""
+        return torch.ones_like(b)
+
+    def horizontal_residual(self, u: torch.Tensor) -> torch.Tensor:
+        r"""$\pi_{\mathfrak k} D(u)$ (float64, `h×h`), which vanishes exactly on
+        $\mathfrak k$-horizontal vectors."""
+        return subgroup.horizontal_residual(self.G, self.H, *self.split(u), self.grams,
+                                            self.metric, self.subalgebra)
+
+    def horizontal_residual_scale(self, u: torch.Tensor) -> torch.Tensor:
+        """The scale of the terms of `horizontal_residual`."""
+        return subgroup.horizontal_residual_scale(self.G, self.H, *self.split(u), self.grams,
+                                                  self.metric, self.subalgebra)
 
 
 def _cg(A, b: torch.Tensor, d: torch.Tensor, *, tol: float, max_iter: int) -> torch.Tensor:
@@ -272,7 +346,9 @@ class GLQuotient(QuotientManifold):
     Notes
     -----
     Every operation at a point runs through its tangent space, `M.at(x)`
-    ([`GLTangentSpace`][quotient_manifolds.manifolds.gl_quotient.GLTangentSpace]).
+    ([`GLTangentSpace`][quotient_manifolds.manifolds.gl_quotient.GLTangentSpace], or its
+    subclass [`SubgroupTangentSpace`][quotient_manifolds.manifolds.gl_quotient.SubgroupTangentSpace]
+    with a `subalgebra`).
 
     * [`proju`][quotient_manifolds.manifolds.gl_quotient.GLQuotient.proju] is the metric-orthogonal
       projection onto the horizontal space ([projection][horizontal-projection]): closed form
@@ -383,14 +459,9 @@ class GLQuotient(QuotientManifold):
     def _check_vector_on_tangent(
         self, x: torch.Tensor, u: torch.Tensor, *, atol: float = 1e-5, rtol: float = 1e-5
     ) -> tuple[bool, str | None]:
-        ts = GLTangentSpace(self, x)
-        uG, uH = ts.split(u)
+        ts = self._space(x)
         res = ts.horizontal_residual(u)
-        if self.subalgebra is None:
-            scale = gl.horizontal_residual_scale(ts.G, ts.H, uG, uH, ts.grams, self.metric)
-        else:
-            scale = subgroup.horizontal_residual_scale(ts.G, ts.H, uG, uH, ts.grams, self.metric,
-                                                       self.subalgebra)
+        scale = ts.horizontal_residual_scale(u)
         if not bool((res.abs() <= atol + rtol * scale).all()):
             return False, (
                 f"vector is not horizontal: the {self.metric} horizontal condition "
@@ -407,10 +478,16 @@ class GLQuotient(QuotientManifold):
         if self.validate:
             self._assert_shapes(x=x, **{f"u{i}": v for i, v in enumerate(vectors)})
             self._check_inputs(x, *vectors)
-        if self.subalgebra is not None and self.subalgebra.h != x.shape[-1]:
-            raise ShapeError(f"the subalgebra acts on h = {self.subalgebra.h}, but the point "
-                             f"has h = {x.shape[-1]}")
-        return GLTangentSpace(self, x)
+        return self._space(x)
+
+    def _space(self, x: torch.Tensor) -> GLTangentSpace:
+        """The tangent space at `x`, unchecked: a
+        [`GLTangentSpace`][quotient_manifolds.manifolds.gl_quotient.GLTangentSpace], or a
+        [`SubgroupTangentSpace`][quotient_manifolds.manifolds.gl_quotient.SubgroupTangentSpace]
+        with a `subalgebra`."""
+        if self.subalgebra is None:
+            return GLTangentSpace(self, x)
+        return SubgroupTangentSpace(self, x)
 
     # -- group structure --------------------------------------------------------
     def vertical(self, x: torch.Tensor, omega: torch.Tensor) -> torch.Tensor:

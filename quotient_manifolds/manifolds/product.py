@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .adaptive import AdaptiveTangentSpace
 from .base import Generator, TangentSpace
 
 __all__ = ["ProductTangentSpace"]
@@ -143,19 +142,15 @@ class ProductTangentSpace:
     def egrad2rgrad_and_norm2(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r"""The Riemannian gradient written over `g`, and its squared norm.
 
-        The norm uses the gradient identity $\|r\|^2_x = \langle g, r\rangle_E$ (Euclidean) for
-        $r = \Pi(g^{-1}\nabla)$ on the block factors, which needs no metric product; the
-        adaptive factors use the metric. One value per problem.
+        Each factor answers for its own part
+        ([`TangentSpace.egrad2rgrad_and_norm2`][quotient_manifolds.manifolds.base.TangentSpace.egrad2rgrad_and_norm2]):
+        by default with the gradient identity $\|r\|^2_x = \langle g, r\rangle_E$ (Euclidean)
+        for $r = \Pi(g^{-1}\nabla)$, which needs no metric product. One value per problem.
         """
         total = None
         for s, a in zip(self.spaces, self.split(g), strict=True):
-            if isinstance(s, AdaptiveTangentSpace):
-                r = s.egrad2rgrad(a, out=a)
-                n2 = self._to_problems(s.inner(r))
-            else:
-                r = s.egrad2rgrad(a)
-                n2 = self._to_problems((a * r).sum(dim=tuple(range(len(self.problems), a.dim()))))
-                a.copy_(r)
+            _, terms = s.egrad2rgrad_and_norm2(a, out=a)
+            n2 = self._to_problems(terms)
             total = n2 if total is None else total + n2
         if total is None:
             total = torch.zeros(self.problems, dtype=g.dtype, device=g.device)
@@ -165,11 +160,7 @@ class ProductTangentSpace:
         """The horizontal Riemannian gradient, factor by factor (into `out`, which may be `g`,
         if given)."""
         if out is not None:
-            def fn(s, a, o):
-                if isinstance(s, AdaptiveTangentSpace):
-                    return s.egrad2rgrad(a, out=o)
-                return s.egrad2rgrad(a)
-            return self._map_into(fn, g, out)
+            return self._map_into(lambda s, a, o: s.egrad2rgrad(a, out=o), g, out)
         return self._map(lambda s, a: s.egrad2rgrad(a), g)
 
     def clip_to_domain(self, u: torch.Tensor) -> torch.Tensor:

@@ -465,7 +465,7 @@ class ModelGeometry:
             if self._point_buffer is None:
                 self._point_buffer = torch.empty_like(self.w0)
             if layout is None:
-                pa = torch.add(self.w0, xa, out=self._point_buffer)
+                pa = self.adaptive_space.retract(xa, "first_order", out=self._point_buffer)
                 self._point_origin = None
             else:
                 pa = self._point_buffer
