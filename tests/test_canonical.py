@@ -8,6 +8,7 @@ uniform and hides errors.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from collections import Counter
@@ -19,7 +20,8 @@ from torch import nn
 import quotient_manifolds as qm
 from quotient_manifolds.models import prober as prober_module
 from quotient_manifolds.models.blocks import FactorPart, gather_block
-from quotient_manifolds.models.discovery import apply_folds, find_folds, strip_frozen
+from quotient_manifolds.models.discovery import apply_folds, strip_frozen
+from quotient_manifolds.models.discovery import find_folds as _find_folds
 from quotient_manifolds.models.families import (
     KeyBiasFold,
     NormGainFold,
@@ -33,6 +35,10 @@ from quotient_manifolds.models.reparam import transform_params
 from quotient_manifolds.tree import tree_leaves
 
 warnings.filterwarnings("ignore", message=".*eos_token_id.*|.*bos_token_id.*")
+
+# this file checks the group of earlier releases, symmetry="full" (the complete group, the
+# default, has its own tests: tests/test_complete_group.py)
+find_folds = functools.partial(_find_folds, symmetry="full")
 # peft 0.21 calls a transformers property deprecated in transformers 5
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
@@ -252,7 +258,7 @@ FOLD_FALLBACKS = ("norm", "qk_norm", "folds")
 def _symmetries(model, ex=None):
     """(blocks, folds, fold fallbacks) as `discover` finds them (blocks stripped of the frozen
     rows)."""
-    sym = qm.models.discover(model, warn=False, example_inputs=ex)
+    sym = qm.models.discover(model, symmetry="full", warn=False, example_inputs=ex)
     return (list(sym.blocks), list(sym.folds),
             [f for f in sym.fallbacks if f.kind in FOLD_FALLBACKS])
 
@@ -383,7 +389,7 @@ def test_reparametrize_full_group(name):
     can, frozen = apply_folds(folds, P)
     stripped = _strip(blocks, frozen, can)
     for a, seed in ((1e-2, 4), (1.0, 5), (1e2, 6)):
-        moved = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(seed),
+        moved = qm.reparametrize(model, symmetry="full", a=a, generator=torch.Generator().manual_seed(seed),
                                  example_inputs=ZOO[name][1])
         assert _rel(_outputs(model, ex), _outputs(moved, ex)) <= PROBE_RTOL
         Pm = _params(moved)
@@ -409,7 +415,7 @@ def test_reparametrize_full_group(name):
 def test_reparametrize_leaves_model_untouched_and_rejects_bad_symmetry():
     model, ex, _, _, _ = _setup("vit")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    qm.reparametrize(model, a=3.0)
+    qm.reparametrize(model, symmetry="full", a=3.0)
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])
     with pytest.raises(ValueError, match="symmetry"):
@@ -662,7 +668,7 @@ def test_full_measure_invariant_paper_measure_moves(name, metric):
         ref_p = qm.geodesic_sharpness(model, loss, data, geometry=paper, **kw).value
         moves = []
         for a, seed in ((1e-2, 1), (1e2, 2)):
-            moved = qm.reparametrize(model, a=a, generator=torch.Generator().manual_seed(seed))
+            moved = qm.reparametrize(model, symmetry="full", a=a, generator=torch.Generator().manual_seed(seed))
             v = qm.geodesic_sharpness(moved, loss, data, geometry=full, **kw).value
             assert abs(v / ref - 1) <= 1e-6, (a, v, ref)
             folded = _load(model, transform_params(_params(model), [], folds, a=a,
@@ -700,7 +706,7 @@ def test_gqa_value_bias_folds_through_every_output_block():
     assert _rel(_outputs(model, ex), _outputs(_load(model, can), ex)) <= PROBE_RTOL
     assert bool((can["model.layers.0.self_attn.v_proj.bias"] == 0).all())
     for seed in (0, 1):
-        moved = qm.reparametrize(model, a=3.0, generator=torch.Generator().manual_seed(seed),
+        moved = qm.reparametrize(model, symmetry="full", a=3.0, generator=torch.Generator().manual_seed(seed),
                                  blocks=blocks)
         assert _rel(_outputs(model, ex), _outputs(moved, ex)) <= PROBE_RTOL
         can_m = apply_folds(folds, _params(moved))[0]

@@ -248,7 +248,7 @@ def test_llama_gqa_and_rotary_paper_mode_falls_back_per_module():
     with pytest.warns(qm.SymmetryFallbackWarning, match="rotary"):
         blocks = qm.discover_blocks(_llama(4), symmetry="paper")
     assert [b.kind for b in blocks] == ["attention.vo", "attention.vo"]
-    full = qm.discover(_llama(2))
+    full = qm.discover(_llama(2), symmetry="full")
     assert [(b.kind, b.heads, b.group is not None) for b in full.blocks] == [
         ("attention.qk", 2, True), ("attention.vo", 2, False)] * 2
 
@@ -268,11 +268,11 @@ def test_model_geometry_gather_scatter_and_grad(factory):
     assert geo.groups, "no block found"
     # batching: all same-shaped heads of all layers in one tensor
     assert sum(g.x0.shape[0] for g in geo.groups) == sum(b.heads for b in geo.blocks)
-    rebuilt = geo.to_params(geo.gather(geo.base))
-    for n, p in model.named_parameters():
-        assert torch.equal(rebuilt[n], p), n
+    rebuilt = geo.to_params(geo.gather(geo.base))  # the base point: the canonical parameters
+    for n, _ in model.named_parameters():
+        assert torch.equal(rebuilt[n], geo.base[n]), n
     zero = geo.params_at(geo.zeros())
-    assert all(torch.equal(zero[n], p) for n, p in model.named_parameters())
+    assert all(torch.equal(zero[n], geo.base[n]) for n, _ in model.named_parameters())
     xi = torch.randn(geo.D).mul_(1e-3).requires_grad_()
     new = geo.params_at(xi)
     s = sum((t.double() ** 2).sum() for t in new.values())

@@ -301,7 +301,7 @@ def audit(
     inputs: Any = None,
     output: str = "log_probs",
     symmetries: Symmetries | None = None,
-    symmetry: str = "full",
+    symmetry: str = "complete",
     max_outputs: int | None = None,
     max_parameters: int = 6000,
     seed: int = 0,

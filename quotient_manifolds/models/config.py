@@ -39,10 +39,14 @@ class QuotientConfig:
     metric : {"inv", "mix", None}
         Metric of the GL(h) blocks: Eq. 9 (`"inv"`) or Eq. 10 (`"mix"`). `None`: no GL block,
         every weight has the adaptive metric $\xi^2/(w^2 + \varepsilon)$ (adaptive sharpness).
-    symmetry : {"full", "paper"}
-        Which symmetries are quotiented out: `"full"`, every symmetry the library recognises
-        (the default); `"paper"`, GL(h) per recognised attention head with the bias rows
-        appended (the paper's measure, for reproductions).
+    symmetry : {"complete", "full", "paper"}
+        Which symmetries are quotiented out: `"full"` (the default), the attention heads with
+        the rotary subgroup and grouped heads, LoRA, norm gains, the key and value bias
+        translations and q/k norms; `"complete"`, every symmetry the library recognises (adds
+        MLP neurons, LayerNorm translations, embedding and softmax shifts, residual rotations;
+        see the symmetries page); `"paper"`, GL(h) per recognised attention head with the bias
+        rows appended (the paper's measure)
+        ([`SYMMETRIES`][quotient_manifolds.models.records.SYMMETRIES]).
     retraction : {"second_order", "exact", "first_order"}
         How GL blocks are perturbed: Eq. 5 (the paper), the geodesic by RK4, or $w + \xi$
         (App. G ablation (b)).

@@ -142,7 +142,7 @@ def _fold_phase(scene: Scene, blocks: Sequence[BlockSpec],
             outputs) else 0.0
         if len(outputs) < len(folds):  # symmetries of the loss: the loss is unchanged
             err = max(err, p.probe(Joint(folds)), p.loss_change(apply_folds(folds, p.params)[0]))
-        if err > PROBE_RTOL:  # folds that pass one by one but not together: claim none
+        if err > PROBE_RTOL * len(folds):  # folds that pass one by one but not together
             return [], fallbacks + [Fallback("", "folds", (
                 f"the folds pass one by one but together change the output by {err:.1e}; "
                 "none is claimed"))]
@@ -156,6 +156,7 @@ def find_folds(
     example_inputs: Any = None,
     families: Sequence[SymmetryFamily] | None = None,
     symmetry: str = "full",
+    loss: tuple[Callable, Any] | None = None,
 ) -> tuple[list[Fold], list[Fallback]]:
     r"""The folds of `model` (the fold families of discovery), each confirmed by a probe.
 
@@ -182,6 +183,8 @@ def find_folds(
         [`FAMILIES`][quotient_manifolds.models.families.FAMILIES]; only fold families are used).
     symmetry : str
         The group whose fold families are asked (`"complete"` or `"full"`).
+    loss : (loss_fn, batch), optional
+        The loss that the symmetries of the loss only must leave unchanged.
 
     Returns
     -------
@@ -190,7 +193,7 @@ def find_folds(
         not removed, with the reason.
     """
     inputs = None if example_inputs is None else normalize_inputs(example_inputs)
-    return _fold_phase(Scene(model, symmetry, inputs), blocks, families)
+    return _fold_phase(Scene(model, symmetry, inputs, loss), blocks, families)
 
 
 def strip_frozen(
@@ -274,8 +277,9 @@ def discover(
     model : nn.Module
         Any model; it is only read (probes run on a float64 deep copy).
     symmetry : {"complete", "full", "paper"}
-        `"complete"`: every symmetry the families claim. `"full"`: the group of earlier
-        releases (rotary commutant, grouped heads, norm gains, bias translations, q/k norms).
+        `"full"` (the default): the rotary commutant, grouped heads, norm gains, bias
+        translations and q/k norms. `"complete"`: every symmetry the families claim (adds MLP
+        neurons, LayerNorm translations, embedding and softmax shifts, residual rotations).
         `"paper"`: GL(h) per recognised head only, bias rows appended, no folds
         ([`SYMMETRIES`][quotient_manifolds.models.records.SYMMETRIES]).
     declared : iterable of BlockSpec

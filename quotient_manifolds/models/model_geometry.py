@@ -189,6 +189,9 @@ class ModelGeometry:
         An input of the model for discovery's probes, as for
         [`discover`][quotient_manifolds.models.discover] (used only when the symmetries are
         discovered here).
+    probed : (inputs, (loss_fn, batch)), optional
+        The probes' inputs and the loss on one batch (for the symmetries of the loss only);
+        replaces `example_inputs`.
 
     Attributes
     ----------
@@ -211,6 +214,7 @@ class ModelGeometry:
         symmetries: Symmetries | None = None,
         warn: bool = True,
         example_inputs: Any = None,
+        probed: Any = None,
     ) -> None:
         geometry = QuotientConfig() if geometry is None else geometry
         if not isinstance(geometry, QuotientConfig):
@@ -240,8 +244,11 @@ class ModelGeometry:
         elif g.symmetries is not None:
             sym = g.symmetries
         else:
+            inputs, loss = (example_inputs, None) if probed is None else probed
             sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn,
-                           example_inputs=example_inputs)
+                           example_inputs=inputs,
+                           loss_fn=None if loss is None else loss[0],
+                           batch=None if loss is None else loss[1])
         self.symmetries = sym
         self.base, self.frozen = sym.canonicalize(raw)
         self.base = {n: t.detach() for n, t in self.base.items()}

@@ -27,9 +27,9 @@ __all__ = [
 
 SYMMETRIES = ("complete", "full", "paper")
 """The symmetry groups a measure can quotient out: `"complete"`, every one the library claims;
-`"full"`, the group of the library's earlier releases (attention heads with the rotary subgroup
-and grouped heads, LoRA, norm gains, the key and value bias translations, q/k norms), kept so
-that earlier results can be reproduced; `"paper"`, the paper's GL(h) per attention head."""
+`"full"` (the default), the attention heads with the rotary subgroup and grouped heads, LoRA,
+norm gains, the key and value bias translations and q/k norms; `"paper"`, the paper's GL(h) per
+attention head."""
 
 PROBE_RTOL = 1e-10
 """Largest relative output change a symmetric transformation may cause."""

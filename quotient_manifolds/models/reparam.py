@@ -19,8 +19,9 @@ invariant must give the same value on the copy.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,17 +42,20 @@ def _symmetries(
     blocks: Sequence[BlockSpec] | None,
     declared: Iterable[BlockSpec],
     example_inputs,
+    loss: tuple[Callable, Any] | None = None,
 ) -> tuple[list[BlockSpec], list[Fold]]:
     """The blocks (acting on the raw parameters, bias rows included) and folds of `model`."""
     params = dict(model.named_parameters())
     declared = list(declared)
     if blocks is not None:
         bl = [b.resolved(params) for b in list(blocks) + declared]
-        folds = find_folds(model, bl, example_inputs=example_inputs, symmetry=symmetry)[0] if (
-            symmetry != "paper") else []
+        folds = find_folds(model, bl, example_inputs=example_inputs, symmetry=symmetry,
+                           loss=loss)[0] if symmetry != "paper" else []
         return bl, folds
     sym = discover(model, symmetry=symmetry, declared=declared, warn=False,
-                   example_inputs=example_inputs)
+                   example_inputs=example_inputs,
+                   loss_fn=None if loss is None else loss[0],
+                   batch=None if loss is None else loss[1])
     return list(sym.blocks), list(sym.folds)
 
 
@@ -109,6 +113,8 @@ def reparametrize(
     blocks: Sequence[BlockSpec] | None = None,
     declared: Iterable[BlockSpec] = (),
     example_inputs: tuple[tuple, dict] | None = None,
+    loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+    batch: Any = None,
 ) -> nn.Module:
     r"""A deep copy of `model` moved by a random element of its symmetry group.
 
@@ -126,17 +132,23 @@ def reparametrize(
         $\|X\|_2 = 1$.
     generator : torch.Generator, optional
         Source of the random element (default: torch's global generator).
-    symmetry : {"full", "paper"}
-        `"full"`: every symmetry the library claims (GL or subgroup blocks, grouped K/V heads,
-        norm gains, bias translations, q/k norms).  `"paper"`: GL(h) per recognised head only,
-        the group of the paper's measure.
+    symmetry : {"complete", "full", "paper"}
+        `"full"` (the default): GL or subgroup blocks, grouped K/V heads, norm gains, bias
+        translations, q/k norms. `"complete"`: every symmetry the library claims (adds MLP
+        neurons, LayerNorm translations, embedding shifts, residual rotations, and with
+        `loss_fn` the symmetries of the loss). `"paper"`: GL(h) per recognised head only, the
+        group of the paper's measure.
     blocks : sequence of BlockSpec, optional
-        Use these blocks instead of discovering them (folds are still found in `"full"`).
+        Use these blocks instead of discovering them (folds are still found unless
+        `symmetry="paper"`).
     declared : iterable of BlockSpec
         Extra user blocks ([`declare_block`][quotient_manifolds.models.blocks.declare_block]).
     example_inputs : (args, kwargs), optional
         An input for the probes that confirm the folds (default: derived from the model's
         configuration where possible).
+    loss_fn, batch : optional
+        The loss and a batch: the symmetries of the loss only (the softmax shift) are drawn
+        too, where `loss_fn(model, batch)` confirms them.
 
     Returns
     -------
@@ -151,7 +163,8 @@ def reparametrize(
     """
     if symmetry not in SYMMETRIES:
         raise ValueError(f"symmetry must be one of {SYMMETRIES}, got {symmetry!r}")
-    bl, folds = _symmetries(model, symmetry, blocks, declared, example_inputs)
+    loss = None if loss_fn is None or batch is None else (loss_fn, batch)
+    bl, folds = _symmetries(model, symmetry, blocks, declared, example_inputs, loss)
     new = copy.deepcopy(model)
     params = {n: p.detach() for n, p in new.named_parameters()}
     moved = transform_params(params, bl, folds, a=a, generator=generator)

@@ -52,6 +52,7 @@ __all__ = [
     "full_mask",
     "random_normal",
     "random_scale",
+    "rms",
 ]
 
 Params = Mapping[str, torch.Tensor]
@@ -72,6 +73,14 @@ def random_scale(shape: Sequence[int], generator: torch.Generator | None, a: flo
     z = torch.randn(tuple(shape), generator=generator, dtype=torch.float64)
     s = torch.randint(0, 2, tuple(shape), generator=generator).to(torch.float64) * 2 - 1
     return (a * s * z.exp()).to(dtype=dtype, device=device)
+
+
+def rms(t: torch.Tensor) -> float:
+    """The root mean square of `t` (1 for an empty or all-zero tensor): the scale of a random
+    translation of it, so that a probe's group element is well conditioned whatever the
+    parameter's magnitude."""
+    v = float(t.detach().double().pow(2).mean().sqrt()) if t.numel() else 0.0
+    return v if v > 0 and v == v else 1.0
 
 
 def full_mask(params: Params, name: str) -> torch.Tensor:

@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -266,27 +267,31 @@ class _ActiveRows:
         return v if self.layout is None else self.layout.put(v)
 
 
-def _first_call(model: nn.Module, loss_fn: LossFn, data: Iterable,
-                geometry: Geometry) -> tuple[tuple, dict] | None:
-    """The model's inputs in `loss_fn(model, first batch)`, for discovery's probes.
+class _Probed(NamedTuple):
+    """What discovery's probes run on: the model's inputs in `loss_fn(model, first batch)`,
+    and the loss on that batch (for the symmetries of the loss only)."""
 
-    Only where the symmetries are discovered (the probes of the blocks and of the full
-    group's folds run the model on an input) and `data` can be iterated twice; the forward
-    stops at its first pre-hook, so nothing runs and nothing changes. `None` otherwise, or if
-    the model is not called.
-    """
+    inputs: tuple[tuple, dict] | None
+    loss: tuple[LossFn, object] | None
+
+
+def _first_call(model: nn.Module, loss_fn: LossFn, data: Iterable,
+                geometry: Geometry) -> _Probed:
+    """The probes' inputs, where the symmetries are discovered (the probes of the blocks and of
+    the folds run the model on an input) and `data` can be iterated twice; the forward stops
+    at its first pre-hook, so nothing runs and nothing changes."""
     if geometry.metric is None or geometry.blocks is not None or geometry.symmetries is not None:
-        return None
+        return _Probed(None, None)
     return _capture_call(model, loss_fn, data)
 
 
-def _capture_call(model: nn.Module, loss_fn: LossFn, data: Iterable) -> tuple[tuple, dict] | None:
+def _capture_call(model: nn.Module, loss_fn: LossFn, data: Iterable) -> _Probed:
     if iter(data) is data:  # a one-shot iterator: its first batch must not be consumed here
-        return None
+        return _Probed(None, None)
     first = next(iter(data), None)
     if first is None:
-        return None
-    return capture_inputs(model, loss_fn, first)
+        return _Probed(None, None)
+    return _Probed(capture_inputs(model, loss_fn, first), (loss_fn, first))
 
 
 def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
@@ -305,8 +310,11 @@ def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
     ```
     """
     geometry = Geometry() if geometry is None else geometry
+    probed = _capture_call(model, loss_fn, data)
     return discover(model, symmetry=geometry.symmetry, declared=geometry.declared,
-                    example_inputs=_capture_call(model, loss_fn, data))
+                    example_inputs=probed.inputs,
+                    loss_fn=None if probed.loss is None else probed.loss[0],
+                    batch=None if probed.loss is None else probed.loss[1])
 
 
 # -- driver -------------------------------------------------------------------------
@@ -317,7 +325,7 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
     _check_data(data)
     ctx = resolve_shard(shard)
     geo = ModelGeometry(model, geometry, params=params,
-                        example_inputs=_first_call(model, loss_fn, data, geometry))
+                        probed=_first_call(model, loss_fn, data, geometry))
     feasible = make_feasible(geometry.ball, geo.space, rho,
                              w2=None if geometry.ball == "metric" else geo.w2(),
                              horizontal=bool(geo.groups))

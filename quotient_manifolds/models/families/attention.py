@@ -9,7 +9,7 @@ are GL(h) blocks. Cross-attention is the same with keys/values read from the enc
 The [`Attention`][quotient_manifolds.models.families.attention.Attention] family asks the
 layouts of [`attention_layouts`][quotient_manifolds.models.families.attention_layouts] which
 modules are attention and where their projections live, inspects each recognised module, and
-claims its blocks. With `symmetry="full"` it also claims
+claims its blocks. With `symmetry="complete"` (and `"full"`) it also claims
 
 * grouped K/V heads (GQA/MQA): one block per key/value head; its $G_{QK}$ stacks the query
   heads that read it, its $H_{VO}$ stacks their output columns;

@@ -42,7 +42,7 @@ from ..norms import is_norm, norm_bias, norm_offset, norm_weight
 from ..paths import feeds_only
 from ..precision import run_module
 from ..prober import Prober
-from ..symmetry import Centring, Fold, Scene, SymmetryFamily, random_normal
+from ..symmetry import Centring, Fold, Scene, SymmetryFamily, random_normal, rms
 
 __all__ = ["CentringFold", "LayerNormCentring", "ReaderCentringFold", "centres"]
 
@@ -78,7 +78,7 @@ class CentringFold(Fold):
     def act(self, params: Params, generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:
         w = params[self.param]
-        c = a * random_normal(_line_shape(w, self.axis), generator, w.dtype, w.device)
+        c = a * rms(w) * random_normal(_line_shape(w, self.axis), generator, w.dtype, w.device)
         return {**params, self.param: w + c}
 
     def lie_dim(self, params: Params) -> int:
@@ -137,8 +137,9 @@ class ReaderCentringFold(Fold):
     def act(self, params: Params, generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:
         M, _ = self.consumer.read(params)
-        return self._move(params, a * random_normal((M.shape[0],), generator, M.dtype,
-                                                    M.device))
+        scale = rms(M) / rms(self._v(params))  # u vᵀ of the size of M
+        return self._move(params, a * scale * random_normal((M.shape[0],), generator, M.dtype,
+                                                            M.device))
 
     def lie_dim(self, params: Params) -> int:
         return int(self.consumer.read(params)[0].shape[0])

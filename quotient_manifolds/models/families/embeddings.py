@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..symmetry import Fold, Scene, SymmetryFamily, random_normal
+from ..symmetry import Fold, Scene, SymmetryFamily, random_normal, rms
 
 __all__ = ["EmbeddingShiftFold", "EmbeddingShifts", "TiedEmbeddingShiftFold"]
 
@@ -58,7 +58,8 @@ class EmbeddingShiftFold(Fold):
     def act(self, params: Params, generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:
         o = params[self.other]
-        return self._move(params, a * random_normal(o.shape[1:], generator, o.dtype, o.device))
+        return self._move(params, a * rms(o) * random_normal(o.shape[1:], generator, o.dtype,
+                                                             o.device))
 
     def lie_dim(self, params: Params) -> int:
         return int(params[self.other][0].numel())

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..linear import Consumer, ReadQuery, linear_layer, readers_of, storage
 from ..norms import is_norm, norm_bias, norm_weight
-from ..symmetry import Fold, Scene, SymmetryFamily, full_mask, random_normal
+from ..symmetry import Fold, Scene, SymmetryFamily, full_mask, random_normal, rms
 from .centring import centres
 
 __all__ = ["NormShiftFold", "NormShifts"]
@@ -71,8 +71,8 @@ class NormShiftFold(Fold):
     def act(self, params: Params, generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:
         beta = params[self.shift]
-        return self._move(params, a * random_normal(beta.shape, generator, beta.dtype,
-                                                    beta.device))
+        return self._move(params, a * rms(beta) * random_normal(beta.shape, generator,
+                                                                beta.dtype, beta.device))
 
     def lie_dim(self, params: Params) -> int:
         return params[self.shift].numel()

@@ -83,6 +83,14 @@ class StreamPart:
         params[self.param] = new if self.axis == 1 else new.transpose(0, 1)
 
 
+def _ones_first_basis(d: int) -> torch.Tensor:
+    r"""A fixed orthonormal basis of $\mathbb R^d$ whose first column is $\mathbb 1/\sqrt d$."""
+    one = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
+    B = torch.linalg.qr(torch.cat([one, torch.eye(d, dtype=torch.float64)], 1))[0][:, :d]
+    B[:, 0] = one[:, 0]
+    return B
+
+
 def _haar(d: int, generator: torch.Generator | None) -> torch.Tensor:
     Z = torch.randn(d, d, generator=generator, dtype=torch.float64)
     Q, R = torch.linalg.qr(Z)
@@ -163,17 +171,16 @@ class RotationFold(Fold):
                     f"is ill-conditioned (smallest relative eigenvalue or third-moment gap "
                     f"{cond:.1e}): the measure is invariant under rotations only to about that "
                     "precision", ProbeWarning, stacklevel=3)
-            return self._rotate(params, U.T), frozen
+            # the stream in the axes U; with LayerNorms, U's first axis (1) kept where it is
+            Q = _ones_first_basis(self.d) @ U.T if self.centred else U.T
+            return self._rotate(params, Q), frozen
 
     def act(self, params: Params, generator: torch.Generator | None = None,
             a: float = 1.0) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             Q = _haar(self.d, generator)
             if self.centred:  # a rotation of the complement of 1
-                one = torch.full((self.d, 1), 1 / math.sqrt(self.d), dtype=torch.float64)
-                B = torch.linalg.qr(torch.cat([one, torch.eye(self.d, dtype=torch.float64)],
-                                              1))[0][:, : self.d]
-                B[:, 0] = one[:, 0]
+                B = _ones_first_basis(self.d)
                 R = torch.eye(self.d, dtype=torch.float64)
                 R[1:, 1:] = _haar(self.d - 1, generator)
                 Q = B @ R @ B.T
