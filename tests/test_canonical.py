@@ -389,7 +389,8 @@ def test_reparametrize_full_group(name):
     can, frozen = apply_folds(folds, P)
     stripped = _strip(blocks, frozen, can)
     for a, seed in ((1e-2, 4), (1.0, 5), (1e2, 6)):
-        moved = qm.reparametrize(model, symmetry="full", a=a, generator=torch.Generator().manual_seed(seed),
+        moved = qm.reparametrize(model, symmetry="full", a=a,
+                                 generator=torch.Generator().manual_seed(seed),
                                  example_inputs=ZOO[name][1])
         assert _rel(_outputs(model, ex), _outputs(moved, ex)) <= PROBE_RTOL
         Pm = _params(moved)
@@ -668,7 +669,8 @@ def test_full_measure_invariant_paper_measure_moves(name, metric):
         ref_p = qm.geodesic_sharpness(model, loss, data, geometry=paper, **kw).value
         moves = []
         for a, seed in ((1e-2, 1), (1e2, 2)):
-            moved = qm.reparametrize(model, symmetry="full", a=a, generator=torch.Generator().manual_seed(seed))
+            moved = qm.reparametrize(model, symmetry="full", a=a,
+                                     generator=torch.Generator().manual_seed(seed))
             v = qm.geodesic_sharpness(moved, loss, data, geometry=full, **kw).value
             assert abs(v / ref - 1) <= 1e-6, (a, v, ref)
             folded = _load(model, transform_params(_params(model), [], folds, a=a,
@@ -706,8 +708,8 @@ def test_gqa_value_bias_folds_through_every_output_block():
     assert _rel(_outputs(model, ex), _outputs(_load(model, can), ex)) <= PROBE_RTOL
     assert bool((can["model.layers.0.self_attn.v_proj.bias"] == 0).all())
     for seed in (0, 1):
-        moved = qm.reparametrize(model, symmetry="full", a=3.0, generator=torch.Generator().manual_seed(seed),
-                                 blocks=blocks)
+        moved = qm.reparametrize(model, symmetry="full", a=3.0,
+                                 generator=torch.Generator().manual_seed(seed), blocks=blocks)
         assert _rel(_outputs(model, ex), _outputs(moved, ex)) <= PROBE_RTOL
         can_m = apply_folds(folds, _params(moved))[0]
         for b in _strip(blocks, frozen, can):

@@ -29,8 +29,9 @@ class SoftmaxShiftFold(CentringFold):
 
 
 class SoftmaxShift(SymmetryFamily):
-    """The output head whose output is the model's first output (its logits), when it is not
-    tied to another module."""
+    """The output head: the last linear map whose output is one of the model's outputs (its
+    logits, whatever else the model returns, e.g. a loss), when it is not tied to another
+    module."""
 
     name = "softmax shift"
     kind = "folds"
@@ -40,10 +41,10 @@ class SoftmaxShift(SymmetryFamily):
         p = scene.prober
         if scene.loss is None or not p.reference:
             return
-        ptr = storage(p.reference[0])
-        for c in p.calls:
+        outputs = {storage(t) for t in p.reference if t.dim() and t.shape[-1] > 1}
+        for c in reversed(p.calls):
             lin = linear_layer(p.modules[c.name])
-            if lin is None or storage(c.out) != ptr:
+            if lin is None or storage(c.out) not in outputs:
                 continue
             weight = p.name(lin.weight)
             if p.tied(weight):
