@@ -279,6 +279,22 @@ def test_library_errors_name_parameters_and_the_command_line_its_flags(inproc, c
     assert "error: --out nowhere/r.jsonl: folder nowhere does not exist" in line
 
 
+def test_folder_and_results_file_errors_keep_their_command_line_wording(inproc, capsys):
+    d, _ = inproc
+    (d / "afolder").mkdir()
+    assert _err(capsys, [*SHARP, "afolder"]) == (
+        "quotient-manifolds sharpness: error: checkpoint afolder is a folder; with --model pass "
+        "state_dict files, or drop --model to load Hugging Face checkpoint folders")
+    (d / "gaps.csv").write_text("checkpoint,gap\nm0,1\n")
+    assert _err(capsys, ["correlate", "missing.jsonl", "gaps.csv", "--no-plots"]) == (
+        "quotient-manifolds correlate: error: results file missing.jsonl does not exist; run "
+        "'quotient-manifolds sharpness ... --out FILE' first")
+    (d / "empty.jsonl").write_text("")
+    assert _err(capsys, ["correlate", "empty.jsonl", "gaps.csv", "--no-plots"]) == (
+        "quotient-manifolds correlate: error: results file empty.jsonl has no sharpness line; "
+        "run 'quotient-manifolds sharpness' first")
+
+
 @pytest.mark.parametrize("text, expect", [
     ("name,value\nm0,1\n", "has columns name, value; the file needs a header line"),
     ("checkpoint,gap\nm0,abc\n", "line 2: gap 'abc' is not a number"),

@@ -119,6 +119,9 @@ def _run_sharpness(args: argparse.Namespace) -> int:
 
 def _run_correlate(args: argparse.Namespace) -> int:
     try:
+        if not Path(args.results).is_file():
+            raise PopulationInputError(f"results file {args.results} does not exist; run "
+                                       "'quotient-manifolds sharpness ... --out FILE' first")
         blob = correlate(args.results, args.gaps, args.out, n_boot=args.n_boot,
                          plots=not args.no_plots)
     except (PopulationInputError, MissingDependencyError) as e:

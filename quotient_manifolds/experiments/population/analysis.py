@@ -106,8 +106,8 @@ def correlate(
     gap_of = read_gaps(gaps)
     recs = [r for r in recs if {"measure", "rho", "value", "checkpoint"} <= r.keys()]
     if not recs:
-        raise PopulationInputError(f"results file {results} has no sharpness line; write "
-                                   "them with evaluate_population first")
+        raise PopulationInputError(f"results file {results} has no sharpness line; run "
+                                   "evaluate_population first")
     stems: dict[str | None, set] = {}
     for r in recs:
         stems.setdefault(r.get("stem"), set()).add(r.get("path"))

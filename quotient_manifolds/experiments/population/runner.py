@@ -269,9 +269,8 @@ class _Run:
                 archs[i] = check_hf_checkpoint(c)
             elif p.is_dir():
                 raise PopulationInputError(
-                    f"checkpoint {c} is a folder; with a model factory (model=module:function) "
-                    "pass state_dict files, or pass no model factory to load Hugging Face "
-                    "checkpoint folders"
+                    f"checkpoint {c} is a folder; with model= pass state_dict files, or drop "
+                    "model= to load Hugging Face checkpoint folders"
                 )
             elif not p.is_file():
                 raise PopulationInputError(f"checkpoint {c} does not exist; check the path")
