@@ -13,7 +13,7 @@ from torch import nn
 
 import quotient_manifolds as qm
 from quotient_manifolds.models import ModelGeometry
-from quotient_manifolds.models.model_geometry import RowLayout
+from quotient_manifolds.models.row_layout import RowLayout
 from quotient_manifolds.sharpness.apgd import apgd
 from quotient_manifolds.sharpness.engine import _BatchProblem, _Evaluator
 from quotient_manifolds.sharpness.feasible import make_feasible

@@ -57,8 +57,9 @@ from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
 from .config import QuotientConfig
 from .discovery import discover
 from .records import Fallback, Symmetries
+from .row_layout import RowLayout
 
-__all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "RowLayout", "HALF_DTYPES",
+__all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "HALF_DTYPES",
            "ParamSelection", "select_parameters"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -125,6 +126,90 @@ def select_parameters(model: nn.Module, params: ParamSelection = None) -> tuple[
         raise NoParametersError(f"no parameter of {type(model).__name__} is selected ({what}); "
                                 "pass params= naming the parameters to perturb")
     return tuple(n for n in named if n in chosen)
+
+
+def _selected_blocks(blocks: Sequence[BlockSpec], fallbacks: list[Fallback],
+                     selected: Sequence[str]) -> tuple[list[BlockSpec], list[Fallback]]:
+    """The blocks whose parameters are all perturbed; the others become fallbacks."""
+    chosen = set(selected)
+    keep = []
+    for b in blocks:
+        missing = [p for p in b.params if p not in chosen]
+        if missing:
+            fallbacks.append(Fallback(
+                b.module, b.kind,
+                f"parameters {', '.join(missing)} are not perturbed (params= / "
+                "requires_grad); the block's selected entries use the adaptive geometry"))
+        else:
+            keep.append(b)
+    return keep, fallbacks
+
+
+def _claimed(blocks: Sequence[BlockSpec], base: Mapping[str, torch.Tensor]
+             ) -> dict[str, torch.Tensor]:
+    """The entries the blocks claim, per parameter; `BlockSpecError` if two blocks overlap."""
+    seen: dict[str, torch.Tensor] = {}
+    for b in blocks:
+        for name, m in claimed_mask(b, base).items():
+            prev = seen.get(name)
+            if prev is not None and bool((prev & m).any()):
+                raise BlockSpecError(
+                    f"two blocks claim the same entries of {name!r} (second: {b.kind} at "
+                    f"{b.module!r}); each weight may belong to one GL block only"
+                )
+            seen[name] = m if prev is None else prev | m
+    return seen
+
+
+def _name_rank_deficient(blocks: Sequence[BlockSpec], base: Mapping[str, torch.Tensor],
+                         geometry: QuotientConfig, dtype: torch.dtype, msg: str) -> str:
+    assert geometry.metric is not None  # called for blocks, which need a metric
+    bad = []
+    for b in blocks:
+        x = gather_block(b, base).to(dtype)
+        man = GLQuotient(b.n, b.m, geometry.metric, geometry.eps, validate=False)
+        for i in range(b.heads):
+            try:
+                man.at(x[i : i + 1])
+            except RankDeficientError:
+                bad.append(f"{b.kind} at {b.module!r} head {i}")
+    where = ", ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
+    return f"{msg} Rank-deficient block(s): {where or 'unknown'}."
+
+
+def _adaptive_entries(selected: Sequence[str], base: Mapping[str, torch.Tensor],
+                      claimed: Mapping[str, torch.Tensor], frozen: Mapping[str, torch.Tensor],
+                      adaptive_eps: float, dtype: torch.dtype
+                      ) -> tuple[list[AdaptiveEntry], list[torch.Tensor], int]:
+    """The free entries of every selected parameter outside the blocks and the folds' frozen
+    entries, their values, and the number of zero weights that cannot move."""
+    entries, pieces, start, masked = [], [], 0, 0
+    for name in selected:
+        w = base[name]
+        if not w.is_floating_point():
+            continue
+        free = ~claimed[name] if name in claimed else None
+        fz = frozen.get(name)
+        if fz is not None:
+            free = ~fz if free is None else free & ~fz
+        if adaptive_eps == 0:
+            # w² must be positive, not only w: tiny float32 weights (|w| < 1e-22) square to 0
+            # (seen in all-MiniLM-L6-v2). Such entries stay in the flat vector, frozen by the
+            # adaptive tangent space (c² = 0: they never move).
+            wd = w.to(dtype)
+            zero = wd * wd == 0
+            masked += int((zero if free is None else (zero & free)).sum())
+        if free is None or bool(free.all()):
+            idx, vals = None, w.reshape(-1)
+        elif bool(free.any()):
+            idx = free.reshape(-1).nonzero().squeeze(1)
+            vals = w.reshape(-1)[idx]
+        else:
+            continue
+        entries.append(AdaptiveEntry(name, start, start + vals.numel(), idx))
+        pieces.append(vals.to(dtype))
+        start += vals.numel()
+    return entries, pieces, masked
 
 
 @dataclass
@@ -252,43 +337,25 @@ class ModelGeometry:
         self.symmetries = sym
         self.base, self.frozen = sym.canonicalize(raw)
         self.base = {n: t.detach() for n, t in self.base.items()}
-        self.blocks, self.fallbacks = self._select_blocks(list(sym.blocks), list(sym.fallbacks))
-        self._check_overlap()
+        self.blocks, self.fallbacks = _selected_blocks(sym.blocks, list(sym.fallbacks),
+                                                       self.selected)
+        self.claimed = _claimed(self.blocks, self.base)
         self.groups = self._build_groups()
-        self._build_adaptive()
+        self.entries, pieces, self.n_masked_zeros = _adaptive_entries(
+            self.selected, self.base, self.claimed, self.frozen, g.adaptive_eps, self.dtype)
+        self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype,
+                                                               device=self._device())
+        self.adaptive = AdaptiveEuclidean(g.adaptive_eps, g.adaptive_retraction, ndim=1,
+                                          validate=False)
+        self.adaptive_space = self.adaptive.at(self.w0)
+        self._point_buffer: torch.Tensor | None = None
+        self._point_origin: object | None = None  # the RowLayout family last written there
         spaces = [grp.space for grp in self.groups] + [self.adaptive_space]
         labels = ["blocks"] * len(self.groups) + ["adaptive"]
         self.kinds = [g.retraction] * len(self.groups) + [g.adaptive_retraction]
         self.space = ProductTangentSpace(spaces, (), labels, self.kinds)
 
     # -- construction -----------------------------------------------------
-    def _select_blocks(self, blocks: list[BlockSpec], fallbacks: list[Fallback]):
-        chosen = set(self.selected)
-        keep = []
-        for b in blocks:
-            missing = [p for p in b.params if p not in chosen]
-            if missing:
-                fallbacks.append(Fallback(
-                    b.module, b.kind,
-                    f"parameters {', '.join(missing)} are not perturbed (params= / "
-                    "requires_grad); the block's selected entries use the adaptive geometry"))
-            else:
-                keep.append(b)
-        return keep, fallbacks
-
-    def _check_overlap(self) -> None:
-        seen: dict[str, torch.Tensor] = {}
-        for b in self.blocks:
-            for name, m in claimed_mask(b, self.base).items():
-                prev = seen.get(name)
-                if prev is not None and bool((prev & m).any()):
-                    raise BlockSpecError(
-                        f"two blocks claim the same entries of {name!r} (second: {b.kind} at "
-                        f"{b.module!r}); each weight may belong to one GL block only"
-                    )
-                seen[name] = m if prev is None else prev | m
-        self.claimed = seen
-
     def _build_groups(self) -> list[BlockGroup]:
         g = self.geometry
         by_shape: dict[tuple, list[BlockSpec]] = {}
@@ -303,65 +370,14 @@ class ModelGeometry:
             try:
                 space = man.at(x0)
             except RankDeficientError as e:
-                raise RankDeficientError(self._name_rank_deficient(blocks, str(e))) from None
+                raise RankDeficientError(_name_rank_deficient(
+                    blocks, self.base, g, self.dtype, str(e))) from None
             groups.append(BlockGroup(n, m, h, blocks, man, space))
         return groups
-
-    def _name_rank_deficient(self, blocks: list[BlockSpec], msg: str) -> str:
-        assert self.geometry.metric is not None  # called for blocks, which need a metric
-        bad = []
-        for b in blocks:
-            x = gather_block(b, self.base).to(self.dtype)
-            man = GLQuotient(b.n, b.m, self.geometry.metric, self.geometry.eps, validate=False)
-            for i in range(b.heads):
-                try:
-                    man.at(x[i : i + 1])
-                except RankDeficientError:
-                    bad.append(f"{b.kind} at {b.module!r} head {i}")
-        where = ", ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
-        return f"{msg} Rank-deficient block(s): {where or 'unknown'}."
 
     def _device(self) -> torch.device:
         """Device of the model's parameters (CPU for a model without any)."""
         return next(iter(self.base.values())).device if self.base else torch.empty(0).device
-
-    def _build_adaptive(self) -> None:
-        g = self.geometry
-        entries, pieces, start, masked = [], [], 0, 0
-        for name in self.selected:
-            w = self.base[name]
-            if not w.is_floating_point():
-                continue
-            free = ~self.claimed[name] if name in self.claimed else None
-            fz = self.frozen.get(name)
-            if fz is not None:
-                free = ~fz if free is None else free & ~fz
-            if g.adaptive_eps == 0:
-                # w² must be positive, not only w: tiny float32 weights (|w| < 1e-22)
-                # square to 0 (seen in all-MiniLM-L6-v2). Such entries stay in the flat
-                # vector, frozen by the adaptive tangent space (c² = 0: they never move).
-                wd = w.to(self.dtype)
-                zero = wd * wd == 0
-                masked += int((zero if free is None else (zero & free)).sum())
-            if free is None or bool(free.all()):
-                idx, vals = None, w.reshape(-1)
-            elif bool(free.any()):
-                idx = free.reshape(-1).nonzero().squeeze(1)
-                vals = w.reshape(-1)[idx]
-            else:
-                continue
-            entries.append(AdaptiveEntry(name, start, start + vals.numel(), idx))
-            pieces.append(vals.to(self.dtype))
-            start += vals.numel()
-        self.entries = entries
-        self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype,
-                                                               device=self._device())
-        self.n_masked_zeros = masked
-        self.adaptive = AdaptiveEuclidean(g.adaptive_eps, g.adaptive_retraction, ndim=1,
-                                          validate=False)
-        self.adaptive_space = self.adaptive.at(self.w0)
-        self._point_buffer: torch.Tensor | None = None
-        self._point_origin: object | None = None  # the RowLayout family last written there
 
     # -- packed vectors ---------------------------------------------------------
     @property
@@ -455,7 +471,7 @@ class ModelGeometry:
         produces the adaptive gradient directly, without copying it through $\xi$. Otherwise
         the adaptive part of `xi` is one more leaf.
 
-        With a `layout` ([`RowLayout`][quotient_manifolds.models.model_geometry.RowLayout],
+        With a `layout` ([`RowLayout`][quotient_manifolds.models.row_layout.RowLayout],
         first-order adaptive retraction only), `xi` is a vector of that layout: only the kept
         adaptive entries are written, the others stay at their base values; the leaves are the
         same as without a layout (whole parameters), and
@@ -506,35 +522,10 @@ class ModelGeometry:
 
     def row_layout(self, grads: Sequence[torch.Tensor | None], *, max_fraction: float = 0.5,
                    min_saving: float = 0.125) -> RowLayout | None:
-        """The layout that keeps, of every whole-parameter adaptive entry, only the rows whose
-        gradient in `grads` is not identically zero, where at most `max_fraction` of the rows
-        are kept; `None` if it would drop less than `min_saving` of the entries of a tangent
-        vector, or if the adaptive retraction is not first order.
-
-        `grads` are the gradients of the leaves of
-        [`params_and_leaves`][quotient_manifolds.models.model_geometry.ModelGeometry.params_and_leaves]
-        (full packing; `None`: zero). Rows are slices along dim 0 (a 1-D parameter is one row;
-        NaN counts as non-zero). An embedding whose batch reads few tokens is the typical case:
-        the rows of the other tokens have zero gradient.
-        """
-        if self.geometry.adaptive_retraction != "first_order":
-            return None
-        rows: dict[int, torch.Tensor] = {}
-        dropped = 0
-        for i, e in enumerate(self.entries):
-            if e.index is not None or e.stop == e.start:
-                continue
-            R, C = _row_shape(self.base[e.name])
-            g = grads[len(self.groups) + i]
-            live = _nonzero_rows(g, R, C)
-            k = int(live.sum()) if live is not None else 0
-            if k <= max_fraction * R:
-                rows[i] = (live.nonzero().squeeze(1) if live is not None
-                           else torch.zeros(0, dtype=torch.long, device=self.w0.device))
-                dropped += (R - k) * C
-        if not rows or dropped < min_saving * self.D:
-            return None
-        return RowLayout(self, rows)
+        """[`RowLayout.from_gradients`][quotient_manifolds.models.row_layout.RowLayout.from_gradients]
+        of this geometry."""
+        return RowLayout.from_gradients(self, grads, max_fraction=max_fraction,
+                                        min_saving=min_saving)
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Points of an arbitrary parameter dict, one per factor (the inverse of `to_params`)."""
@@ -559,196 +550,3 @@ class ModelGeometry:
             "adaptive_entries": int(self.w0.numel()),
             "masked_zero_weights": self.n_masked_zeros,
         }
-
-
-def _row_shape(t: torch.Tensor) -> tuple[int, int]:
-    """`(rows, row size)` of a parameter: slices along dim 0 (a 1-D parameter is one row)."""
-    R = t.shape[0] if t.dim() >= 2 else 1
-    return R, (t.numel() // R if R else 0)
-
-
-def _nonzero_rows(g: torch.Tensor | None, R: int, C: int) -> torch.Tensor | None:
-    """`(R,)` flags: the rows of the gradient `g` with an entry that is not 0 (NaN counts as
-    not 0); `None` for a gradient that is `None` (identically zero)."""
-    if g is None:
-        return None
-    return g.reshape(R, C).any(1)
-
-
-@dataclass
-class _Whole:
-    """Whole adaptive entries `members`, side by side: at `full` in the full adaptive vector and
-    at `part` in the adaptive part of a `RowLayout`."""
-
-    full: slice
-    part: slice
-    members: tuple[int, ...]
-
-
-@dataclass
-class _Rows:
-    """The rows `rows` of the adaptive entry `entry` (shaped `shape`, `(rows, row size)`), at
-    `full` in the full adaptive vector and at `part` in the adaptive part of a `RowLayout`."""
-
-    full: slice
-    part: slice
-    entry: int
-    shape: tuple[int, int]
-    rows: torch.Tensor  # (k,) long, the rows kept
-    mask: torch.Tensor  # (R,) bool, the rows kept
-    w0: torch.Tensor  # (k, C): the base weights of the rows kept
-
-
-class RowLayout:
-    r"""A packing of the perturbation that keeps, of some adaptive entries, only some rows.
-
-    `rows` maps the index of a whole-parameter entry of `geo.entries` to the indices of its rows
-    (slices along dim 0) that are kept; the other rows of that entry stay at their base values
-    (their perturbation is 0). The block parts and the other adaptive entries are kept whole.
-    A tangent vector in this layout has length `D`: the block parts as in the full packing,
-    then the kept adaptive entries and rows (an entry's rows in the order of `rows`).
-    [`take`][quotient_manifolds.models.model_geometry.RowLayout.take] and
-    [`put`][quotient_manifolds.models.model_geometry.RowLayout.put] convert from and to the
-    full packing; `space` is the product tangent space of the kept entries (the same block
-    tangent spaces, the adaptive metric at the kept weights).
-
-    The layouts grown from one another
-    ([`grow`][quotient_manifolds.models.model_geometry.RowLayout.grow]) share an `origin`;
-    their rows only ever extend.
-
-    Parameters
-    ----------
-    geo : ModelGeometry
-        The geometry (first-order adaptive retraction).
-    rows : mapping of int to Tensor
-        Entry index to the indices of the rows kept (1-D, long).
-    origin : object, optional
-        The `origin` of the layout this one grows (a new one if omitted).
-    """
-
-    def __init__(self, geo: ModelGeometry, rows: Mapping[int, torch.Tensor],
-                 origin: object | None = None) -> None:
-        self.geo = geo
-        self.rows = dict(rows)
-        self.origin = object() if origin is None else origin
-        self.nb = geo.D - geo.w0.numel()  # the block parts
-        whole: list[_Whole] = []
-        parts: list[_Rows] = []
-        pos = 0
-        for i, e in enumerate(geo.entries):
-            size = e.stop - e.start
-            if i not in self.rows:
-                last = whole[-1] if whole else None
-                if last is not None and last.full.stop == e.start and last.part.stop == pos:
-                    whole[-1] = _Whole(slice(last.full.start, e.stop),
-                                       slice(last.part.start, pos + size), (*last.members, i))
-                else:
-                    whole.append(_Whole(slice(e.start, e.stop), slice(pos, pos + size), (i,)))
-                pos += size
-                continue
-            R, C = _row_shape(geo.base[e.name])
-            r = self.rows[i].to(device=geo.w0.device, dtype=torch.long)
-            mask = torch.zeros(R, dtype=torch.bool, device=r.device)
-            mask[r] = True
-            w0 = geo.w0[e.start : e.stop].view(R, C).index_select(0, r)
-            parts.append(_Rows(slice(e.start, e.stop), slice(pos, pos + r.numel() * C), i,
-                               (R, C), r, mask, w0))
-            pos += r.numel() * C
-        self.whole, self.parts = whole, parts
-        self.D = self.nb + pos
-        self.w0 = self._take_adaptive(geo.w0, geo.w0.new_empty(pos))
-        spaces = [*geo.space.spaces[:-1], geo.adaptive.at(self.w0)]
-        self.space = ProductTangentSpace(spaces, (), geo.space.labels, geo.kinds)
-
-    @property
-    def kept(self) -> int:
-        """The number of adaptive entries kept."""
-        return self.D - self.nb
-
-    def _take_adaptive(self, va: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        for w in self.whole:
-            out[w.part].copy_(va[w.full])
-        for p in self.parts:
-            torch.index_select(va[p.full].view(p.shape), 0, p.rows,
-                               out=out[p.part].view(-1, p.shape[1]))
-        return out
-
-    def take(self, v: torch.Tensor) -> torch.Tensor:
-        """The entries of a full-packing vector `(D_full,)` that this layout keeps, `(D,)`."""
-        out = v.new_empty(self.D)
-        out[: self.nb].copy_(v[: self.nb])
-        self._take_adaptive(v[self.nb :], out[self.nb :])
-        return out
-
-    def put(self, v: torch.Tensor) -> torch.Tensor:
-        """The full-packing vector with the entries of `v` (this layout) and 0 elsewhere."""
-        out = v.new_zeros(self.geo.D)
-        out[: self.nb].copy_(v[: self.nb])
-        va, oa = v[self.nb :], out[self.nb :]
-        for w in self.whole:
-            oa[w.full].copy_(va[w.part])
-        for p in self.parts:
-            oa[p.full].view(p.shape).index_copy_(0, p.rows, va[p.part].view(-1, p.shape[1]))
-        return out
-
-    def write_point(self, pa: torch.Tensor, xa: torch.Tensor) -> None:
-        r"""$w + \xi$ on the kept entries, written into the full adaptive point `pa`, from the
-        adaptive part `xa` of a vector of this layout (the other entries of `pa` untouched)."""
-        w0 = self.geo.w0
-        for w in self.whole:
-            torch.add(w0[w.full], xa[w.part], out=pa[w.full])
-        for p in self.parts:
-            pa[p.full].view(p.shape).index_copy_(0, p.rows,
-                                                 p.w0 + xa[p.part].view(-1, p.shape[1]))
-
-    def pack(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor | None = None
-             ) -> torch.Tensor:
-        """The gradient in this layout from the gradients of the leaves of
-        [`params_and_leaves`][quotient_manifolds.models.model_geometry.ModelGeometry.params_and_leaves]
-        (`None`: zero), into `out` if given."""
-        geo = self.geo
-        out = torch.empty(self.D, dtype=geo.dtype, device=geo.w0.device) if out is None else out
-        nb = len(geo.groups)
-        pos = 0
-        for g, size in zip(grads[:nb], geo.space.sizes[:-1], strict=True):
-            _copy_or_zero(out[pos : pos + size], g)
-            pos += size
-        oa = out[self.nb :]
-        for w in self.whole:
-            shift = w.part.start - w.full.start
-            for i in w.members:
-                e = geo.entries[i]
-                _copy_or_zero(oa[e.start + shift : e.stop + shift], grads[nb + i])
-        for p in self.parts:
-            o = oa[p.part].view(-1, p.shape[1])
-            g = grads[nb + p.entry]
-            if g is None:
-                o.zero_()
-            else:
-                torch.index_select(g.reshape(p.shape), 0, p.rows, out=o)
-        return out
-
-    def grow(self, grads: Sequence[torch.Tensor | None]) -> RowLayout | None:
-        """The layout that also keeps every row not kept here whose gradient in `grads` (as in
-        `pack`) is not identically zero, appended after the kept rows; `None` if there is
-        none."""
-        nb = len(self.geo.groups)
-        new: dict[int, torch.Tensor] = {}
-        for p in self.parts:
-            live = _nonzero_rows(grads[nb + p.entry], *p.shape)
-            if live is None:
-                continue
-            extra = (live & ~p.mask).nonzero().squeeze(1)
-            if extra.numel():
-                new[p.entry] = torch.cat([p.rows, extra])
-        if not new:
-            return None
-        return RowLayout(self.geo, {**self.rows, **new}, origin=self.origin)
-
-
-def _copy_or_zero(out: torch.Tensor, g: torch.Tensor | None) -> None:
-    """`out = g` (flattened), or 0 for `g = None`."""
-    if g is None:
-        out.zero_()
-    else:
-        out.copy_(g.reshape(-1))

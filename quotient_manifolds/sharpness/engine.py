@@ -41,7 +41,8 @@ from ..errors import (
 )
 from ..models import ModelGeometry, Symmetries, discover
 from ..models.inputs import capture_inputs
-from ..models.model_geometry import ParamSelection, RowLayout
+from ..models.model_geometry import ParamSelection
+from ..models.row_layout import RowLayout
 from .checks import check_rho
 from .config import Geometry
 from .distributed import Evaluator, Shard, resolve_shard
@@ -189,7 +190,7 @@ class _ActiveRows:
     whole-parameter adaptive entry, the rows (slices along dim 0) whose gradient is not
     identically zero, e.g. the embedding rows of the tokens the batch reads. Every later call
     checks the rows not kept and adds those whose gradient is no longer zero
-    ([`grow`][quotient_manifolds.models.model_geometry.RowLayout.grow]) before the step.
+    ([`grow`][quotient_manifolds.models.row_layout.RowLayout.grow]) before the step.
 
     **Why the iterates are those of the full packing.** Take a row $r$ whose gradient was 0 at
     the iterates $\xi_0 = 0, \dots, \xi_{k-1}$. By induction, $\xi_0, \dots, \xi_k$ (and every
