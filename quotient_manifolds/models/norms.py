@@ -4,13 +4,14 @@ and the constant offset $o$ of a gain $\gamma = o + w$ (Gemma's norms: $o = 1$).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from .precision import run_module
 
-__all__ = ["is_norm", "norm_bias", "norm_offset", "norm_weight"]
+__all__ = ["any_norm", "is_norm", "norm_bias", "norm_offset", "norm_weight"]
 
 _NORM_NAME = re.compile(r"(layer|rms).?norm", re.IGNORECASE)
 
@@ -23,6 +24,11 @@ def is_norm(m: nn.Module) -> bool:
     w = getattr(m, "weight", None)
     return (bool(_NORM_NAME.search(type(m).__name__)) and isinstance(w, nn.Parameter)
             and w.dim() == 1)
+
+
+def any_norm(modules: Iterable[nn.Module]) -> bool:
+    """Whether one of `modules` is a norm (`is_norm`): a fold family of norms may be present."""
+    return any(is_norm(m) for m in modules)
 
 
 def norm_weight(m: nn.Module) -> torch.Tensor:

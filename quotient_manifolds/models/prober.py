@@ -379,6 +379,12 @@ class Prober:
         p = dict(self.model.named_parameters())[name]
         return self.users.get(id(p), 0) > 1
 
+    def parameterised_calls(self) -> list[tuple[str, nn.Module, tuple, dict]]:
+        """`(name, module, args, kwargs)` of every traced call of a module with parameters of
+        its own (what the linear readers are asked about)."""
+        return [(c.name, self.modules[c.name], c.args, c.kwargs) for c in self.calls
+                if any(True for _ in self.modules[c.name].parameters(recurse=False))]
+
     def first_call(self, module: str) -> ModuleCall | None:
         """The first call of `module` in the traced forward pass."""
         return next((c for c in self.calls if c.name == module), None)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..linear import Consumer, ReadQuery, linear_layer, readers_of, storage
-from ..norms import is_norm, norm_bias, norm_offset, norm_weight
+from ..norms import any_norm, is_norm, norm_bias, norm_offset, norm_weight
 from ..paths import feeds_only
 from ..precision import run_module
 from ..prober import Prober
@@ -194,7 +194,7 @@ class LayerNormCentring(SymmetryFamily):
     symmetries = ("complete",)
 
     def present(self, scene: Scene) -> bool:
-        return any(is_norm(m) for m in scene.modules.values())
+        return any_norm(scene.modules.values())
 
     def find(self, scene: Scene) -> None:
         p = scene.prober
@@ -231,8 +231,7 @@ class LayerNormCentring(SymmetryFamily):
 
     @staticmethod
     def _readers(scene: Scene, p: Prober, norms: dict) -> None:
-        calls = [(c.name, p.modules[c.name], c.args, c.kwargs) for c in p.calls
-                 if any(True for _ in p.modules[c.name].parameters(recurse=False))]
+        calls = p.parameterised_calls()
         for name, call in norms.items():
             m = p.modules[name]
             offset = norm_offset(m, call.args, call.kwargs) if isinstance(

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..linear import Consumer, ReadQuery, readers_of, storage
-from ..norms import is_norm, norm_bias, norm_offset, norm_weight
+from ..norms import any_norm, is_norm, norm_bias, norm_offset, norm_weight
 from ..paths import reaches_only
 from ..prober import Prober
 from ..records import Fallback
@@ -149,12 +149,11 @@ class NormGains(SymmetryFamily):
     symmetries = ("complete", "full")
 
     def present(self, scene: Scene) -> bool:
-        return any(is_norm(m) for m in scene.modules.values())
+        return any_norm(scene.modules.values())
 
     def find(self, scene: Scene) -> None:
         p = scene.prober
-        readers = [(c.name, p.modules[c.name], c.args, c.kwargs) for c in p.calls
-                   if any(True for _ in p.modules[c.name].parameters(recurse=False))]
+        readers = p.parameterised_calls()
         seen: set[str] = set()
         for call in p.calls:
             m = p.modules[call.name]

@@ -103,8 +103,7 @@ class NormShifts(SymmetryFamily):
 
     def find(self, scene: Scene) -> None:
         p = scene.prober
-        calls = [(c.name, p.modules[c.name], c.args, c.kwargs) for c in p.calls
-                 if any(True for _ in p.modules[c.name].parameters(recurse=False))]
+        calls = p.parameterised_calls()
         order = [c for c in p.calls]
         norms = [i for i, c in enumerate(order) if is_norm(p.modules[c.name])
                  and norm_bias(p.modules[c.name]) is not None

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..blocks import FactorPart
-from ..norms import is_norm, norm_offset, norm_weight
+from ..norms import any_norm, is_norm, norm_offset, norm_weight
 from ..prober import Prober
 from ..records import Fallback
 from ..symmetry import Fold, Scene, SymmetryFamily, random_scale
@@ -215,7 +215,7 @@ class QKNorms(SymmetryFamily):
     symmetries = ("complete", "full")
 
     def present(self, scene: Scene) -> bool:
-        return any(is_norm(m) for m in scene.modules.values())
+        return any_norm(scene.modules.values())
 
     def find(self, scene: Scene) -> None:
         p = scene.prober

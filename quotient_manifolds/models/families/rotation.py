@@ -39,7 +39,7 @@ from torch import nn
 
 from ...errors import ProbeWarning
 from ..linear import ReadQuery, linear_layer, readers_of, storage
-from ..norms import is_norm, norm_bias, norm_offset, norm_weight
+from ..norms import any_norm, is_norm, norm_bias, norm_offset, norm_weight
 from ..paths import feeds_only, reaches_only
 from ..records import Symmetries
 from ..symmetry import Fold, Scene, SymmetryFamily
@@ -211,12 +211,11 @@ class ResidualRotations(SymmetryFamily):
     symmetries = ("complete",)
 
     def present(self, scene: Scene) -> bool:
-        return any(is_norm(m) for m in scene.modules.values())
+        return any_norm(scene.modules.values())
 
     def find(self, scene: Scene) -> None:
         p = scene.prober
-        calls = [(c.name, p.modules[c.name], c.args, c.kwargs) for c in p.calls
-                 if any(True for _ in p.modules[c.name].parameters(recurse=False))]
+        calls = p.parameterised_calls()
         tables = [m for m in p.modules.values() if isinstance(m, nn.Embedding)]
         if not tables:
             return
