@@ -66,7 +66,7 @@ class ShiftFold(Fold):
     sign: float = -1.0  # +1 is no symmetry: the wrong claim of the demonstration
 
     kind = "shift"
-    order = 4  # after the built-in folds
+    order = 9  # after the built-in folds
 
     @property
     def params(self):
