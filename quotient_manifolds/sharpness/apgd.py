@@ -27,7 +27,7 @@ import torch
 
 from .feasible import FeasibleSet
 
-__all__ = ["checkpoints", "APGDResult", "apgd", "Objective", "Layout"]
+__all__ = ["checkpoints", "APGDResult", "apgd", "Objective", "Layout", "select_rows"]
 
 Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """`objective(xi) -> (loss, grad)`: the loss `(*problems)` at the perturbation `xi`
@@ -106,7 +106,7 @@ class _Buffers:
         return b
 
 
-def _select(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def select_rows(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a` where `cond` (one flag per problem), else `b`; no copy for a single problem."""
     if cond.dim() == 0:
         return a if bool(cond) else b
@@ -191,7 +191,7 @@ def apgd(
             on_step(k, loss)
         better = loss > res.best_loss
         res.best_loss = torch.where(better, loss, res.best_loss)
-        res.best_xi = _select(better, xi, res.best_xi)
+        res.best_xi = select_rows(better, xi, res.best_xi)
         n_improve = n_improve + better.to(torch.float64)
         # the gradient is not needed after this: direction and step may reuse its memory
         d = feasible.direction(xi, grad, inplace=True)
@@ -213,8 +213,8 @@ def apgd(
             eta_last, best_last = eta, res.best_loss
             fire = cond1 | cond2
             eta = torch.where(fire, 0.5 * eta, eta)
-            xi = _select(fire, res.best_xi, xi)
-            xi_prev = _select(fire, res.best_xi, xi_prev)
+            xi = select_rows(fire, res.best_xi, xi)
+            xi_prev = select_rows(fire, res.best_xi, xi_prev)
             n_improve = torch.zeros_like(n_improve)
             k_last = k
     return res

@@ -32,7 +32,7 @@ import geoopt
 import torch
 
 from ..manifolds.base import Generator
-from .apgd import APGDResult, Layout, Objective, _select, apgd
+from .apgd import APGDResult, Layout, Objective, apgd, select_rows
 from .checks import check_rho
 from .feasible import FeasibleSet
 
@@ -181,7 +181,7 @@ class APGD:
                             init=feasible.random_start(generator))
             better = run.best_loss > best
             best = torch.where(better, run.best_loss, best)
-            xi = _select(better, run.best_xi, xi)
+            xi = select_rows(better, run.best_xi, xi)
         return best, xi, self.n_iter * (1 + self.restarts)
 
     def skip(self, feasible: FeasibleSet, generator: Generator) -> None:
