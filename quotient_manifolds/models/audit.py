@@ -33,7 +33,7 @@ from torch import nn
 from torch.func import functional_call, jacfwd, jacrev
 
 from ..errors import ExampleInputError
-from ..tree import leading_size, tree_leaves, tree_map
+from ..tree import leading_size, tree_map
 from .discovery import discover
 from .inputs import (
     capture_inputs,
@@ -43,6 +43,7 @@ from .inputs import (
     signature_names,
 )
 from .precision import float64_copy, float64_internals, no_fastpath
+from .prober import output_tensors
 from .records import Symmetries
 
 __all__ = ["AuditReport", "audit"]
@@ -159,8 +160,7 @@ def _widen(inputs: tuple[tuple, dict], rows: int) -> tuple[tuple, dict]:
 
 
 def _outputs(out: Any, kind: str) -> torch.Tensor:
-    ys = [t for t in tree_leaves(out, skip_key=lambda k: "past" in str(k) or "cache" in str(k))
-          if t.is_floating_point()]
+    ys = output_tensors(out)
     if not ys:
         raise ExampleInputError("the model returns no floating-point output to audit")
     if kind == "log_probs":
@@ -374,7 +374,7 @@ def audit(
         inside = [n for n in names if n.startswith(top + ".")]
         if not inside:
             continue
-        own = [c for c in candidates if _within(c, params, inside)]
+        own = [c for c in candidates if set(c.params) <= set(inside)]
         k = sum(params[n].numel() for n in inside)
         reports.append(_one(work, params, inside, draw, output, own, top, "per module",
                             max_rows(k)))
@@ -397,10 +397,6 @@ def _functional(kind: str) -> Callable[[nn.Module, tuple[tuple, dict]], torch.Te
         w = torch.randn(y.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         return (y * w.to(y)).sum()
     return loss
-
-
-def _within(candidate: Any, params: dict[str, torch.Tensor], names: Sequence[str]) -> bool:
-    return set(candidate.params) <= set(names)
 
 
 def _inputs_of(work: nn.Module, model: nn.Module, loss_fn, batch, inputs, seed: int

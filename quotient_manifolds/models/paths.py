@@ -16,17 +16,15 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..tree import tree_leaves
 from .linear import storage
 from .precision import float64_internals, no_fastpath
-from .prober import Prober
+from .prober import Prober, output_tensors
 
 __all__ = ["feeds_only", "reaches_only"]
 
 
 def _outputs(p: Prober, out: object) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(out, skip_key=lambda k: "past" in str(k) or "cache" in str(k))
-            if t.is_floating_point() and t.requires_grad]
+    return [t for t in output_tensors(out) if t.requires_grad]
 
 
 def _projection(p: Prober, outs: Sequence[torch.Tensor]) -> torch.Tensor:

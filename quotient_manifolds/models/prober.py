@@ -66,6 +66,7 @@ __all__ = [
     "Prober",
     "random_group_element",
     "relative_change",
+    "output_tensors",
     "tolerance",
 ]
 
@@ -102,6 +103,13 @@ class ModuleCall(NamedTuple):
     out: Any
 
 
+def output_tensors(out: Any) -> list[torch.Tensor]:
+    """The floating-point output tensors of a forward pass, key/value caches skipped (not
+    detached)."""
+    return [t for t in tree_leaves(out, skip_key=lambda k: not _is_output(k))
+            if t.is_floating_point()]
+
+
 def _is_output(key: Any) -> bool:
     """Whether a mapping entry of a model's output is an output (not a key/value cache)."""
     return not any(s in str(key) for s in ("past", "cache"))
@@ -109,8 +117,7 @@ def _is_output(key: Any) -> bool:
 
 def _floats(out: Any) -> list[torch.Tensor]:
     """The floating-point output tensors of a forward pass, key/value caches skipped."""
-    return [t.detach() for t in tree_leaves(out, skip_key=lambda k: not _is_output(k))
-            if t.is_floating_point()]
+    return [t.detach() for t in output_tensors(out)]
 
 
 def relative_change(ref: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> float:

@@ -104,7 +104,7 @@ class NormShifts(SymmetryFamily):
     def find(self, scene: Scene) -> None:
         p = scene.prober
         calls = p.parameterised_calls()
-        order = [c for c in p.calls]
+        order = p.calls
         norms = [i for i, c in enumerate(order) if is_norm(p.modules[c.name])
                  and norm_bias(p.modules[c.name]) is not None
                  and isinstance(c.out, torch.Tensor)
