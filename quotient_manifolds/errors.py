@@ -27,9 +27,17 @@ __all__ = [
     "ParameterSelectionError",
     "DetachedLossError",
     "SingleBatchError",
+    "InvalidArgumentError",
+    "ArgumentTypeError",
+    "UnsupportedModelError",
+    "LossEvaluationError",
+    "ModelStateError",
+    "InfeasibleSolutionError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
     "ProbeWarning",
+    "ZeroGradientWarning",
+    "ModelStateWarning",
 ]
 
 
@@ -174,6 +182,61 @@ class SingleBatchError(QuotientManifoldError, TypeError):
     """
 
 
+class InvalidArgumentError(QuotientManifoldError, ValueError):
+    """An argument has a value outside its domain (e.g. `n_iter=nan`, `step_mult=0`,
+    `exact_steps=2.7`, a seed beyond 64 bits).
+
+    The message names the argument, the value and the values that are accepted.
+    """
+
+
+class ArgumentTypeError(QuotientManifoldError, TypeError):
+    """An argument has the wrong type (e.g. `geometry="mix"`, `model=None`, `eps="0.1"`).
+
+    The message names the argument, the type given and the type expected.
+    """
+
+
+class UnsupportedModelError(QuotientManifoldError, TypeError):
+    """The model cannot be measured as it is: it is not an `nn.Module` instance, its weights
+    are on the meta device (not materialised), or it cannot be copied for the symmetry
+    probes (it holds a lock, a file or another object that `copy.deepcopy` refuses).
+
+    The message says what to do: materialise the weights (`to_empty` and load them), pass
+    the module instance, or pass `geometry=Geometry(symmetries=...)` / `blocks=` so that no
+    probe copies the model.
+    """
+
+
+class LossEvaluationError(QuotientManifoldError, RuntimeError):
+    """`loss_fn(model, batch)` raised on one batch.
+
+    The message names the batch (its index in `data`) and the original error, which is
+    chained as `__cause__`.
+    """
+
+
+class ModelStateError(QuotientManifoldError, RuntimeError):
+    """User code (`loss_fn` or the model's forward) changed the model during a sharpness call
+    in a way that makes the result meaningless: it switched a module's train/eval mode, wrote
+    to a parameter, or replaced one.
+
+    What can be restored (modes, parameters that were replaced, buffers, `.grad`,
+    `requires_grad`, the random number generators) has been restored when this is raised; a
+    weight written in place cannot be and is named. Compute the loss without changing the
+    model.
+    """
+
+
+class InfeasibleSolutionError(QuotientManifoldError, RuntimeError):
+    """A solver returned a maximiser outside the feasible set (e.g. a plain torch optimizer
+    that does not keep its iterate in the ball).
+
+    The value at such a point is not the sharpness of the ball; use `APGD`, or a geoopt
+    Riemannian optimizer in `GeooptSolver`, whose `retr` keeps the iterate in the set.
+    """
+
+
 class SymmetryFallbackWarning(UserWarning):
     """An attention-like module has weights without a claimed symmetry block.
 
@@ -198,3 +261,19 @@ class ProbeWarning(UserWarning):
     Discovery found them by their structure, but no example input reached their module. Pass
     `example_inputs=` to `discover` so that every claim is verified.
     """
+
+
+class ZeroGradientWarning(UserWarning):
+    """The loss gradient of a claimed GL block (or of every perturbed weight) is identically
+    zero at the unperturbed weights.
+
+    Either the loss does not read those weights, or the model's backward does not propagate
+    to them (e.g. a reversible layer that computes its own gradients). Those blocks stay at
+    ξ = 0, so the sharpness ignores them.
+    """
+
+
+class ModelStateWarning(UserWarning):
+    """The model's forward changed a buffer during a sharpness call (e.g. a cache or a
+    counter); the buffer was restored, but the losses were computed with the changing
+    buffer."""
