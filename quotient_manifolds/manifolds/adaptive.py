@@ -3,7 +3,6 @@ r"""The elementwise "adaptive" geometry used for every weight outside a GL block
 from __future__ import annotations
 
 import torch
-from geoopt.utils import broadcast_shapes
 
 from ..errors import ShapeError, ZeroWeightError
 from ..geometry import adaptive as am
@@ -45,7 +44,7 @@ class AdaptiveTangentSpace(TangentSpace):
             x_shape = self.x0.shape[: self.x0.dim() - self.ndim]
         else:
             x_shape = self.x0.shape
-        return t.expand(broadcast_shapes(x_shape, t.shape))
+        return t.expand(torch.broadcast_shapes(x_shape, t.shape))
 
     def inner(self, u: torch.Tensor, v: torch.Tensor | None = None) -> torch.Tensor:
         r"""$\sum u v / (w^2 + \varepsilon)$ over the trailing `ndim` dimensions."""
@@ -62,7 +61,7 @@ class AdaptiveTangentSpace(TangentSpace):
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:
         """Identity (no vertical space), broadcast to the shape of the point."""
-        return u.expand(broadcast_shapes(self.x0.shape, u.shape))
+        return u.expand(torch.broadcast_shapes(self.x0.shape, u.shape))
 
     def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """Identity: every vector is horizontal, whatever the norm."""
@@ -206,11 +205,11 @@ class AdaptiveEuclidean(QuotientManifold):
         u_ = u.to(ts.dtype)
         v_ = u_ if v is None else v.to(ts.dtype)
         out = u_ * v_ / ts.c2
-        return out.expand(broadcast_shapes(x.shape, out.shape)).to(u.dtype)
+        return out.expand(torch.broadcast_shapes(x.shape, out.shape)).to(u.dtype)
 
     def proju(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Identity (no vertical space), broadcast to the shape of ``x``."""
-        return u.expand(broadcast_shapes(x.shape, u.shape))
+        return u.expand(torch.broadcast_shapes(x.shape, u.shape))
 
     def egrad2rgrad(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         r"""$(w^2 + \varepsilon) \odot \nabla L$ (defined at zero weights too)."""
