@@ -36,7 +36,14 @@ from .blocks import BlockSpec, FactorPart
 from .families import FAMILIES
 from .inputs import normalize_inputs
 from .prober import Joint
-from .records import PROBE_RTOL, SYMMETRIES, Fallback, ProbeRecord, Symmetries
+from .records import (
+    PROBE_RTOL,
+    SYMMETRIES,
+    Fallback,
+    ProbeRecord,
+    Symmetries,
+    parameter_layout,
+)
 from .symmetry import Fold, Scene, SymmetryFamily
 
 __all__ = ["apply_folds", "discover", "discover_blocks", "find_folds", "strip_frozen"]
@@ -361,7 +368,7 @@ def discover(
                 stacklevel=2,
             )
     return Symmetries(tuple(blocks), tuple(fallbacks), tuple(folds), tuple(records), symmetry,
-                      discovered)
+                      discovered, parameter_layout(model))
 
 
 def discover_blocks(

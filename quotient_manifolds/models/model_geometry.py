@@ -125,6 +125,11 @@ def select_parameters(model: nn.Module, params: ParamSelection = None) -> tuple[
     if not chosen:
         raise NoParametersError(f"no parameter of {type(model).__name__} is selected ({what}); "
                                 "pass params= naming the parameters to perturb")
+    if not any(named[n].is_floating_point() for n in chosen):
+        raise ParameterSelectionError(
+            f"params= selects only parameters that are not floating point "
+            f"({', '.join(sorted(chosen)[:3])}: {named[min(chosen)].dtype}); integer weights "
+            "cannot be perturbed, select floating-point ones")
     return tuple(n for n in named if n in chosen)
 
 
@@ -324,10 +329,11 @@ class ModelGeometry:
         elif g.blocks is not None:
             sym = Symmetries(blocks=tuple(b.resolved(raw)
                                           for b in list(g.blocks) + list(g.declared)))
-        elif symmetries is not None:
-            sym = symmetries
-        elif g.symmetries is not None:
-            sym = g.symmetries
+        elif symmetries is not None or g.symmetries is not None:
+            given = symmetries if symmetries is not None else g.symmetries
+            assert given is not None
+            given.check_model(model)
+            sym = given
         else:
             inputs, loss = (example_inputs, None) if probed is None else probed
             sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn,

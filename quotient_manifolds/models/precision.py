@@ -21,6 +21,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 
+from ..errors import UnsupportedModelError
+
 __all__ = ["float64_copy", "float64_internals", "lowest_precision", "no_fastpath",
            "run_module"]
 
@@ -106,7 +108,15 @@ def float64_copy(model: nn.Module) -> nn.Module:
     The user's model is not touched, and the user's forward/backward hooks do not see the
     probe's calls (hooks that compute weights, such as the old-style weight norm, are kept).
     """
-    new = copy.deepcopy(model)
+    try:
+        new = copy.deepcopy(model)
+    except Exception as e:  # noqa: BLE001 - a lock, a file, an open connection, ...
+        raise UnsupportedModelError(
+            f"{type(model).__name__} cannot be copied for the symmetry probes "
+            f"(copy.deepcopy: {type(e).__name__}: {e}); move what cannot be copied (a lock, "
+            "a file) out of the module, or pass geometry=Geometry(symmetries=...) discovered "
+            "on a copyable twin, or Geometry(blocks=[...]), so that nothing is probed"
+        ) from e
     for m in new.modules():
         for attr in _HOOK_DICTS:
             hooks = getattr(m, attr, None)

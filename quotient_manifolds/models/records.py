@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..errors import BlockSpecError
 from .blocks import BlockSpec
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "FoldLike",
     "ProbeRecord",
     "Symmetries",
+    "parameter_layout",
 ]
 
 SYMMETRIES = ("complete", "full", "paper")
@@ -92,6 +94,13 @@ class ProbeRecord:
         return asdict(self)
 
 
+def parameter_layout(model: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The names and shapes of `model.named_parameters()`: what a
+    [`Symmetries`][quotient_manifolds.models.records.Symmetries] found on one model must match
+    to be used on another."""
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+
+
 class FoldLike(Protocol):
     """What [`Symmetries`][quotient_manifolds.models.records.Symmetries] needs of a fold."""
 
@@ -134,6 +143,29 @@ class Symmetries:
     probes: tuple[ProbeRecord, ...] = ()
     symmetry: str = "full"
     discovered: tuple[BlockSpec, ...] = ()
+    layout: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def check_model(self, model: Any) -> None:
+        """Raise [`BlockSpecError`][quotient_manifolds.errors.BlockSpecError] unless these
+        symmetries can describe `model`: its parameter names and shapes are those they were
+        discovered on, and every parameter a block reads exists."""
+        mine = parameter_layout(model)
+        if self.layout and self.layout != mine:
+            have, want = dict(mine), dict(self.layout)
+            diff = sorted(set(have) ^ set(want)) + sorted(
+                n for n in set(have) & set(want) if have[n] != want[n])
+            raise BlockSpecError(
+                f"these symmetries were discovered on another model ({len(want)} parameters, "
+                f"{type(model).__name__} has {len(have)}; they differ at "
+                f"{', '.join(map(repr, diff[:3]))}{' …' if len(diff) > 3 else ''}); discover "
+                "them on this model: qm.symmetries_of(model, loss_fn, data)")
+        names = dict(mine)
+        missing = sorted({n for b in self.blocks for n in b.params if n not in names})
+        if missing:
+            raise BlockSpecError(
+                f"these symmetries name parameters that {type(model).__name__} does not have "
+                f"({', '.join(map(repr, missing[:3]))}); discover them on this model: "
+                "qm.symmetries_of(model, loss_fn, data)")
 
     def canonicalize(
         self, params: Mapping[str, torch.Tensor]
