@@ -33,6 +33,7 @@ __all__ = [
     "LossEvaluationError",
     "ModelStateError",
     "InfeasibleSolutionError",
+    "InferenceModeError",
     "SymmetryFallbackWarning",
     "NoBlocksWarning",
     "ProbeWarning",
@@ -234,6 +235,15 @@ class InfeasibleSolutionError(QuotientManifoldError, RuntimeError):
 
     The value at such a point is not the sharpness of the ball; use `APGD`, or a geoopt
     Riemannian optimizer in `GeooptSolver`, whose `retr` keeps the iterate in the set.
+    """
+
+
+class InferenceModeError(QuotientManifoldError, RuntimeError):
+    """A sharpness call runs inside `torch.inference_mode()`, or the model's weights were
+    created there (inference tensors): the ascent needs autograd.
+
+    Call it outside `torch.inference_mode()` (`torch.no_grad()` around it is fine: the
+    engine turns gradients on where it needs them), and load the model outside it too.
     """
 
 

@@ -86,9 +86,45 @@ def _worker(rank: int, port: int, outdir: str) -> None:
             res["mismatch"] = "no error"
         except qm.DistributedError as e:
             res["mismatch"] = str(e)
+        res.update(_failures(rank))
         torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+        return ("no error", "")
+    except Exception as e:  # noqa: BLE001 - the test compares the type and message
+        return (type(e).__name__, str(e))
+
+
+_FAULTS = ("different_data", "nan_batch", "loss_fails_within", "loss_fails_batches")
+
+
+def _failures(rank: int) -> dict:
+    """Faults on one rank, which every rank must name instead of hanging or a gloo error."""
+    model = _model()
+    own = [(x.double(), y) for x, y in mha_data(n_batches=3, bs=5, seed=rank)]
+    nan = _data()
+    if rank == 1:  # batch 1 is rank 1's under shard="batches"
+        nan[1] = (nan[1][0] * float("nan"), nan[1][1])
+
+    def fails_on_rank1(m, b):
+        if rank == 1 and torch.is_grad_enabled():  # the perturbed losses only
+            raise ValueError("boom")
+        return ce_loss(m, b)
+
+    def run(data, loss=ce_loss, shard="batches"):
+        return lambda: qm.geodesic_sharpness(model, loss, data, rho=0.2, n_iter=2, shard=shard)
+
+    return {
+        "different_data": _outcome(run(own)),
+        "nan_batch": _outcome(run(nan)),
+        "loss_fails_within": _outcome(run(_data(), fails_on_rank1, "within_batch")),
+        "loss_fails_batches": _outcome(run(_data(), fails_on_rank1)),
+    }
 
 
 def _free_port() -> int:
@@ -124,6 +160,8 @@ def test_every_rank_returns_the_same_result(ranks):
     a, b = ranks
     assert a.keys() == b.keys()
     for k in a:
+        if k in _FAULTS:  # each rank names its own fault (test_a_fault_on_one_rank_...)
+            continue
         if k == "default":  # computed alone on each rank: its wall time is the rank's own
             assert _strip(a[k]) == _strip(b[k])
             continue
@@ -179,3 +217,14 @@ def test_default_split_cuts_every_tensor_along_dim0():
     assert parts[0][0]["t"] is batch["t"]
     with pytest.raises(qm.DistributedError, match="split_batch"):
         default_split({"a": 1}, 0, 2)
+
+
+def test_a_fault_on_one_rank_is_named_on_every_rank(ranks):
+    r0, r1 = ranks
+    assert r0["different_data"][0] == r1["different_data"][0] == "DistributedError"
+    assert "different data" in r0["different_data"][1]
+    assert r1["nan_batch"][0] == "NonFiniteError" and "batch 1" in r1["nan_batch"][1]
+    assert r0["nan_batch"][0] == "DistributedError" and "rank 1" in r0["nan_batch"][1]
+    for case in ("loss_fails_within", "loss_fails_batches"):
+        assert r1[case][0] == "LossEvaluationError" and "boom" in r1[case][1], case
+        assert r0[case][0] == "DistributedError" and "1" in r0[case][1], case

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DistributedError
+from ..errors import DistributedError, InvalidArgumentError
 from ..tree import leading_size, tree_map
 
 __all__ = ["SHARD_MODES", "Shard", "ShardContext", "default_split", "resolve_shard"]
@@ -78,17 +78,22 @@ def default_split(batch: object, rank: int, world_size: int) -> tuple[object, in
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """Forward: all-reduce (sum) a scalar; backward: identity (each rank owns its term)."""
+    """Forward: all-reduce (sum) a scalar, with a flag per rank that failed to compute its
+    term; backward: identity (each rank owns its term)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        y = x.detach().clone()
+    def forward(ctx, x: torch.Tensor, group, rank: int, world: int, failed: bool):
+        y = torch.zeros(1 + world, dtype=x.dtype, device=x.device)
+        y[0] = x.detach().reshape(())
+        y[1 + rank] = float(failed)
         _dist().all_reduce(y, group=group)
-        return y
+        flags = y[1:].detach().clone()
+        ctx.mark_non_differentiable(flags)
+        return y[0].clone(), flags
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return g, None
+    def backward(ctx, g: torch.Tensor, _flags: torch.Tensor):
+        return g, None, None, None, None
 
 
 class _GradSumOverRanks(torch.autograd.Function):
@@ -137,12 +142,25 @@ class _WithinBatchEvaluator:
         if names:
             shared = _GradSumOverRanks.apply(ctx.group, *(params[k] for k in names))
             params = {**params, **dict(zip(names, shared, strict=True))}
-        if n_local > 0:
-            loss = self.ev(params, part).double() * (n_local / n_total)
-        else:  # keep the graph connected, so this rank joins the gradient all-reduce
-            loss = sum((params[k].sum().double() * 0.0 for k in names),
-                       torch.zeros((), dtype=torch.float64, device=device))
-        return _SumOverRanks.apply(loss, ctx.group)
+        error: Exception | None = None
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        try:
+            if n_local > 0:
+                loss = self.ev(params, part).double() * (n_local / n_total)
+            else:  # keep the graph connected, so this rank joins the gradient all-reduce
+                loss = sum((params[k].sum().double() * 0.0 for k in names), zero)
+        except Exception as e:  # noqa: BLE001 - joins the all-reduce, then raised below
+            error, loss = e, zero
+        total, flags = _SumOverRanks.apply(loss, ctx.group, ctx.rank, ctx.world_size,
+                                           error is not None)
+        if error is not None:
+            raise error
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+        if failed:
+            raise DistributedError(
+                f"shard='within_batch': the loss failed on rank(s) {failed} (the error is "
+                "raised there in full); this rank stopped with it")
+        return total
 
 
 @dataclass
@@ -188,50 +206,106 @@ class ShardContext:
             return rank
         return _dist().get_global_rank(self.group, rank)
 
-    def check_same(self, tensors: list[torch.Tensor]) -> None:
+    def _exchange(self, mine: object, error: BaseException | None) -> list:
+        """Every rank's `mine`, after every rank has told whether it failed: a failure on this
+        rank is raised here (after the exchange, so the others do not wait), and one on
+        another rank becomes a
+        [`DistributedError`][quotient_manifolds.errors.DistributedError] naming it."""
+        out: list = [None] * self.world_size
+        note = None if error is None else f"{type(error).__name__}: {error}"
+        _dist().all_gather_object(out, (mine, note), group=self.group)
+        if error is not None:
+            raise error
+        failed = [(r, o[1]) for r, o in enumerate(out) if o[1] is not None]
+        if failed:
+            r, msg = failed[0]
+            raise DistributedError(
+                f"rank {r} failed ({msg})" + (f", and ranks {[f for f, _ in failed[1:]]}"
+                                              if len(failed) > 1 else "")
+                + "; this rank stopped with it. Fix the failing rank's input (its error is "
+                "raised there in full)")
+        return [o[0] for o in out]
+
+    def check_same(self, tensors: list[torch.Tensor] | None,
+                   error: BaseException | None = None) -> None:
         """Raise [`DistributedError`][quotient_manifolds.errors.DistributedError] unless every rank
         has the same base point.
 
         Compares shapes and the float64 sums of ``t`` and ``t²`` of every tensor (relative
-        tolerance 1e-9, so that summation order on different machines does not matter).
+        tolerance 1e-9, so that summation order on different machines does not matter). A
+        rank that failed before it has a base point passes its `error` (and `tensors=None`):
+        it is raised there, and the others raise a `DistributedError` naming that rank.
         """
         if not self.active:
+            if error is not None:
+                raise error
             return
-        mine = [(tuple(t.shape), float(t.double().sum()), float(t.double().square().sum()))
-                for t in tensors]
-        out: list = [None] * self.world_size
-        _dist().all_gather_object(out, mine, group=self.group)
-
-        def same(a, b) -> bool:
-            return len(a) == len(b) and all(
-                sa == sb and math.isclose(xa, xb, rel_tol=1e-9, abs_tol=1e-30)
-                and math.isclose(ya, yb, rel_tol=1e-9, abs_tol=1e-30)
-                for (sa, xa, ya), (sb, xb, yb) in zip(a, b, strict=True))
-
-        bad = [r for r, o in enumerate(out) if not same(o, out[0])]
+        mine = None if tensors is None else [
+            (tuple(t.shape), float(t.double().sum()), float(t.double().square().sum()))
+            for t in tensors]
+        out = self._exchange(mine, error)
+        bad = [r for r, o in enumerate(out) if not _same_sums(o, out[0])]
         if bad:
             raise DistributedError(
                 f"rank(s) {bad} hold a different model than rank 0 (weights or GL blocks "
                 "differ); load the same checkpoint on every rank before computing sharpness"
             )
 
-    def gather(self, records: list[tuple], n_evals: int, elapsed: float
+    def gather(self, records: list[tuple], n_evals: int, elapsed: float, *,
+               fingerprints: list[tuple] | None = None, error: BaseException | None = None
                ) -> tuple[list[tuple], int, float]:
         """All ranks' per-batch records in batch order, total evaluations, max wall time.
 
         ``within_batch``: every rank already holds every record; only the wall time
-        (the maximum over ranks) is shared.
+        (the maximum over ranks) is shared. `fingerprints` (one
+        [`batch_fingerprint`][quotient_manifolds.sharpness.guards.batch_fingerprint] per batch
+        iterated) must agree on every rank: ranks that iterate different data raise a
+        [`DistributedError`][quotient_manifolds.errors.DistributedError]. A rank's `error` is
+        raised there after the exchange, and named on the others.
         """
         if not self.active:
+            if error is not None:
+                raise error
             return records, n_evals, elapsed
-        out: list = [None] * self.world_size
-        mine = (records if self.mode == "batches" else [], n_evals, elapsed)
-        _dist().all_gather_object(out, mine, group=self.group)
+        mine = (records if self.mode == "batches" else [], n_evals, elapsed, fingerprints)
+        out = self._exchange(mine, error)
+        ref = out[0][3]
+        if ref is not None:
+            for r, o in enumerate(out[1:], start=1):
+                if o[3] is not None and not _same_batches(o[3], ref):
+                    raise DistributedError(
+                        f"rank {r} iterates different data than rank 0 "
+                        f"({_first_difference(o[3], ref)}); with shard={self.mode!r} every rank "
+                        "must iterate the same batches in the same order (the ranks split the "
+                        "work themselves): pass the same data, not a rank's own shard of it")
         wall = max(o[2] for o in out)
         if self.mode != "batches":
             return records, n_evals, wall
-        merged = sorted((r for recs, _, _ in out for r in recs), key=lambda r: r[0])
+        merged = sorted((r for recs, _, _, _ in out for r in recs), key=lambda r: r[0])
         return merged, sum(o[1] for o in out), wall
+
+
+def _close(a: float, b: float) -> bool:
+    return (a != a and b != b) or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-30)  # NaN == NaN
+
+
+def _same_sums(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(
+        sa == sb and _close(xa, xb) and _close(ya, yb)
+        for (sa, xa, ya), (sb, xb, yb) in zip(a, b, strict=True))
+
+
+def _same_batches(a: list[tuple], b: list[tuple]) -> bool:
+    return len(a) == len(b) and all(_same_sums(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _first_difference(a: list[tuple], b: list[tuple]) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} batches against {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if not _same_sums(x, y):
+            return f"batch {i} differs"
+    return "the batches differ"
 
 
 @dataclass(frozen=True)
@@ -256,9 +330,10 @@ class Shard:
 
     def __post_init__(self) -> None:
         if self.mode not in SHARD_MODES:
-            raise ValueError(f"shard must be one of {SHARD_MODES} or None, got {self.mode!r}")
+            raise InvalidArgumentError(
+                f"shard must be one of {SHARD_MODES} or None, got {self.mode!r}")
         if self.split_batch is not None and self.mode != "within_batch":
-            raise ValueError("split_batch is only used with shard='within_batch'")
+            raise InvalidArgumentError("split_batch is only used with shard='within_batch'")
 
 
 def resolve_shard(shard: str | Shard | None, split_batch: SplitFn | None = None,
@@ -276,7 +351,7 @@ def resolve_shard(shard: str | Shard | None, split_batch: SplitFn | None = None,
     if isinstance(shard, str):
         shard = Shard(shard, split_batch, group)
     elif split_batch is not None or group is not None:
-        raise ValueError("pass split_batch and group inside the Shard object")
+        raise InvalidArgumentError("pass split_batch and group inside the Shard object")
     if shard.mode == "none":
         return ShardContext()
     dist = _dist()

@@ -17,36 +17,53 @@ product of tangent spaces) and the feasible set
 ([`solvers`][quotient_manifolds.sharpness.solvers]) maximises (or averages) over the set.
 
 Nothing is lost: the model is never written to. Perturbed weights enter through
-`torch.func.functional_call` (the unperturbed ones detached, not copied); the computation runs
-in eval mode inside `try/finally`, which restores every submodule's `training` flag whatever
-happens (exceptions, `KeyboardInterrupt`).
+`torch.func.functional_call` (the unperturbed ones detached, not copied); the whole call, the
+capture of the model's inputs included, runs in eval mode inside
+[`preserved`][quotient_manifolds.state.preserved], which puts back the modes, buffers,
+`.grad`, `requires_grad` and the global random generators whatever happens (exceptions,
+`KeyboardInterrupt`) and names what user code changed. `data` is iterated once.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..errors import (
+    ArgumentTypeError,
     DetachedLossError,
     EmptyDataError,
+    LossEvaluationError,
+    ModelStateError,
     NonFiniteError,
-    SingleBatchError,
+    QuotientManifoldError,
+    ZeroGradientWarning,
 )
 from ..models import ModelGeometry, Symmetries, discover
 from ..models.inputs import capture_inputs
-from ..models.model_geometry import ParamSelection
+from ..models.model_geometry import ParamSelection, select_parameters
 from ..models.row_layout import RowLayout
+from ..state import ModelSnapshot, preserved
 from .checks import check_rho
 from .config import Geometry
-from .distributed import Evaluator, Shard, resolve_shard
+from .distributed import Evaluator, Shard, ShardContext, resolve_shard
 from .feasible import AdaptiveNormBall, Box, Ellipsoid, FeasibleSet, MetricBall, make_feasible
+from .guards import (
+    batch_fingerprint,
+    check_call,
+    check_data,
+    check_feasible,
+    check_finite_parameters,
+    reaches,
+    zero_gradient_blocks,
+)
 from .result import SharpnessResult
 from .solvers import APGD, Solver
 
@@ -56,17 +73,6 @@ LossFn = Callable[[nn.Module, object], torch.Tensor]
 
 
 # -- plumbing -------------------------------------------------------------------
-@contextmanager
-def _eval_mode(model: nn.Module):
-    modes = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval()
-        yield
-    finally:
-        for m, t in modes:
-            m.training = t
-
-
 class _LossModule(nn.Module):
     """`forward(batch) = loss_fn(model, batch)`, so `functional_call` can swap weights."""
 
@@ -80,36 +86,66 @@ class _LossModule(nn.Module):
 
 
 class _Evaluator:
-    """The loss of a batch at given parameters (buffers: the model's own, read only)."""
+    """The loss of a batch at given parameters (buffers: the model's own, read only).
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn) -> None:
+    A failure of `loss_fn` becomes a
+    [`LossEvaluationError`][quotient_manifolds.errors.LossEvaluationError] naming the batch
+    (`batch_index`, set by the driver); a loss that switches a module out of eval mode raises
+    [`ModelStateError`][quotient_manifolds.errors.ModelStateError].
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn,
+                 snapshot: ModelSnapshot | None = None) -> None:
         self.wrapper = _LossModule(model, loss_fn)
+        self.snapshot = snapshot
+        self.batch_index = 0
 
     def __call__(self, params: Mapping[str, torch.Tensor], batch) -> torch.Tensor:
         d = {f"model.{n}": t for n, t in params.items()}
-        loss = torch.func.functional_call(self.wrapper, d, (batch,))
+        try:
+            loss = torch.func.functional_call(self.wrapper, d, (batch,))
+        except QuotientManifoldError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the user's code raises is named
+            raise LossEvaluationError(
+                f"loss_fn(model, batch) raised on batch {self.batch_index} (its index in "
+                f"data): {type(e).__name__}: {e}") from e
+        if self.snapshot is not None:
+            _check_modes(self.snapshot,
+                         f"while the loss of batch {self.batch_index} was computed")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError("loss_fn(model, batch) must return a scalar tensor")
+            what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                    else type(loss).__name__)
+            raise LossEvaluationError(
+                f"loss_fn(model, batch) must return a scalar tensor, got {what} for batch "
+                f"{self.batch_index}; reduce it, e.g. with .mean()")
         return loss.reshape(()).float() if loss.dtype in (torch.float16, torch.bfloat16) else (
             loss.reshape(()))
 
 
-def _check_data(data) -> None:
-    hint = "; wrap a single batch in a list, e.g. data=[batch]"
-    if isinstance(data, torch.Tensor):
-        raise SingleBatchError(
-            "data is a tensor: iterating it yields its rows, not batches" + hint)
-    if isinstance(data, Mapping):
-        raise SingleBatchError(
-            "data is a dict (one batch): iterating it yields its keys, not batches" + hint)
-    if isinstance(data, (tuple, list)) and len(data) >= 2 and all(
-            isinstance(t, torch.Tensor) for t in data):
-        shapes = {tuple(t.shape[1:]) for t in data}
-        if len(shapes) > 1:
-            raise SingleBatchError(
-                f"data is a {type(data).__name__} of tensors of different shapes "
-                f"({', '.join(str(tuple(t.shape)) for t in data)}), which looks like one "
-                "(inputs, targets) batch, not a sequence of batches" + hint)
+def _check_modes(snapshot: ModelSnapshot, when: str) -> None:
+    switched = snapshot.mode_switches()
+    if switched:
+        raise ModelStateError(
+            f"user code switched {', '.join(switched[:3])}{' …' if len(switched) > 3 else ''} "
+            f"to train mode {when}; sharpness is measured in eval mode (the modes are "
+            "restored): do not call model.train() inside loss_fn")
+
+
+class _Batches:
+    """`data` iterated once: its first batch (for the probes) and then every batch."""
+
+    _END = object()
+
+    def __init__(self, data: Iterable) -> None:
+        self.size = _len(data)
+        self.iterator = iter(data)
+        first = next(self.iterator, self._END)
+        self.empty = first is self._END
+        self.first = None if self.empty else first
+
+    def __iter__(self) -> Iterator:
+        return iter(()) if self.empty else itertools.chain([self.first], self.iterator)
 
 
 def _finite(v: float, b: int, where: str) -> float:
@@ -128,11 +164,69 @@ def _len(data) -> int | None:
         return None
 
 
+class _FirstEvaluation:
+    """The checks made once per call, on the first evaluation that can make them: that the
+    loss reaches the perturbed weights (a loss of a copy of the model does not), and that no
+    claimed block has an identically zero gradient."""
+
+    def __init__(self, geo: ModelGeometry) -> None:
+        self.geo = geo
+        self.graph_pending = True
+        self.grads_pending = True
+        self.warnings: list[str] = []  # ZeroGradientWarning messages, emitted by the driver
+
+    def _copy_error(self, b: int) -> DetachedLossError:
+        return DetachedLossError(
+            f"the loss of batch {b} does not depend on the perturbed weights of the model it "
+            "is given: loss_fn computes it with another module (a copy of the model?), or "
+            "params= selects weights the loss does not read. Compute the loss by calling the "
+            "model passed to loss_fn.")
+
+    def loss_graph(self, prob: _BatchProblem, xi: torch.Tensor, loss: torch.Tensor) -> None:
+        """After a loss-only evaluation: walk the graph (evaluating once more with a graph to
+        ξ when the solver evaluates without one)."""
+        self.graph_pending = False
+        if torch.is_grad_enabled() and xi.requires_grad:
+            if not reaches(loss, [xi]):
+                raise self._copy_error(prob.b)
+            return
+        with torch.enable_grad():
+            leaf = xi.detach().requires_grad_()
+            probe = prob.ev(prob.geo.params_at(leaf), prob.batch)
+            if not probe.requires_grad:
+                raise prob._detached(probe)
+            if not reaches(probe, [leaf]):
+                raise self._copy_error(prob.b)
+
+    def gradients(self, b: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """After the first gradient: none reaching a weight is an error (a copy of the model);
+        identically zero ones of claimed blocks (or of everything) are warned about."""
+        self.grads_pending = self.graph_pending = False
+        if all(g is None for g in grads):
+            raise self._copy_error(b)
+        if all(g is None or not bool(g.any()) for g in grads):
+            self.warnings.append(
+                f"the loss gradient of every perturbed weight is zero at the first point "
+                f"evaluated on batch {b}: the ascent cannot move, and the sharpness is that "
+                "of a flat point")
+            return
+        zero = zero_gradient_blocks(self.geo, grads)
+        if zero:
+            self.warnings.append(
+                f"the loss gradient of {len(zero)} claimed block(s) is identically zero at the "
+                f"first point evaluated on batch {b}: {'; '.join(zero[:4])}"
+                f"{' …' if len(zero) > 4 else ''}. The loss does not read them, or the "
+                "model's backward does not reach them (e.g. a reversible layer that computes "
+                "its own gradients); they stay at ξ = 0 and the sharpness ignores them")
+
+
 class _BatchProblem:
     """The loss of one batch as a function of the packed perturbation ξ."""
 
-    def __init__(self, geo: ModelGeometry, ev: Evaluator, batch, b: int) -> None:
+    def __init__(self, geo: ModelGeometry, ev: Evaluator, batch, b: int,
+                 first: _FirstEvaluation | None = None) -> None:
         self.geo, self.ev, self.batch, self.b = geo, ev, batch, b
+        self.first = _FirstEvaluation(geo) if first is None else first
         self.k = 0
         self._grad: torch.Tensor | None = None
 
@@ -153,14 +247,31 @@ class _BatchProblem:
         """The loss at ξ (a graph to ξ when grad mode is on and ξ requires grad)."""
         loss = self.ev(self.geo.params_at(xi), self.batch)
         self._check(loss, torch.is_grad_enabled() and xi.requires_grad)
+        if self.first.graph_pending:
+            self.first.loss_graph(self, xi, loss)
         return loss
+
+    def grads(self, loss: torch.Tensor, leaves: Sequence[torch.Tensor]
+              ) -> tuple[torch.Tensor | None, ...]:
+        """The leaves' gradients of `loss` (`None` for a leaf it does not reach)."""
+        try:
+            grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        except QuotientManifoldError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a custom backward of the user's model
+            raise LossEvaluationError(
+                f"the backward pass of loss_fn(model, batch) raised on batch {self.b}: "
+                f"{type(e).__name__}: {e}") from e
+        if self.first.grads_pending:
+            self.first.gradients(self.b, grads)
+        return grads
 
     def loss_and_grad(self, xi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss at ξ and its gradient; the gradient lives in a buffer reused by every call."""
         params, leaves = self.geo.params_and_leaves(xi)
         loss = self.ev(params, self.batch)
         self._check(loss, True)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grads = self.grads(loss, leaves)
         if self._grad is None:
             self._grad = torch.empty_like(xi)
         return loss.detach(), self.geo.pack_grads(leaves, grads, out=self._grad)
@@ -239,7 +350,7 @@ class _ActiveRows:
         params, leaves = geo.params_and_leaves(xi, self.layout)
         loss = prob.ev(params, prob.batch)
         prob._check(loss, True)
-        grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grads = prob.grads(loss, leaves)
         if self.layout is None:
             self.started = True
             layout = geo.row_layout(grads)
@@ -276,30 +387,28 @@ class _Probed(NamedTuple):
     loss: tuple[LossFn, object] | None
 
 
-def _first_call(model: nn.Module, loss_fn: LossFn, data: Iterable,
-                geometry: Geometry) -> _Probed:
-    """The probes' inputs, where the symmetries are discovered (the probes of the blocks and of
-    the folds run the model on an input) and `data` can be iterated twice; the forward stops
-    at its first pre-hook, so nothing runs and nothing changes."""
-    if geometry.metric is None or geometry.blocks is not None or geometry.symmetries is not None:
+def _capture(model: nn.Module, loss_fn: LossFn, batches: _Batches,
+             snapshot: ModelSnapshot) -> _Probed:
+    """The probes' inputs from the first batch; the forward stops at its first pre-hook (in
+    eval mode, inside the caller's snapshot), so nothing runs and nothing changes."""
+    if batches.empty:
         return _Probed(None, None)
-    return _capture_call(model, loss_fn, data)
+    inputs = capture_inputs(model, loss_fn, batches.first)
+    _check_modes(snapshot, "while the model's inputs were captured")
+    return _Probed(inputs, (loss_fn, batches.first))
 
 
-def _capture_call(model: nn.Module, loss_fn: LossFn, data: Iterable) -> _Probed:
-    if iter(data) is data:  # a one-shot iterator: its first batch must not be consumed here
-        return _Probed(None, None)
-    first = next(iter(data), None)
-    if first is None:
-        return _Probed(None, None)
-    return _Probed(capture_inputs(model, loss_fn, first), (loss_fn, first))
+def _needs_discovery(geometry: Geometry) -> bool:
+    return geometry.metric is not None and geometry.blocks is None and (
+        geometry.symmetries is None)
 
 
 def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
                   geometry: Geometry | None = None) -> Symmetries:
     """The symmetries that `geodesic_sharpness(model, loss_fn, data, geometry=geometry)`
     discovers: [`discover`][quotient_manifolds.models.discover] under `geometry.symmetry`
-    (with `geometry.declared`), probed on the model's inputs of the first batch of `data`.
+    (with `geometry.declared`), probed on the model's inputs of the first batch of `data`
+    (the only batch read; of a one-shot iterator, it is consumed).
 
     Discovery runs the model (function-preservation probes), so a sweep over radii or
     measures of one model discovers once and passes the result on:
@@ -311,11 +420,15 @@ def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
     ```
     """
     geometry = Geometry() if geometry is None else geometry
-    probed = _capture_call(model, loss_fn, data)
-    return discover(model, symmetry=geometry.symmetry, declared=geometry.declared,
-                    example_inputs=probed.inputs,
-                    loss_fn=None if probed.loss is None else probed.loss[0],
-                    batch=None if probed.loss is None else probed.loss[1])
+    check_call(model, loss_fn, geometry)
+    check_data(data)
+    with preserved(model) as snap:
+        model.eval()
+        probed = _capture(model, loss_fn, _Batches(data), snap)
+        return discover(model, symmetry=geometry.symmetry, declared=geometry.declared,
+                        example_inputs=probed.inputs,
+                        loss_fn=None if probed.loss is None else probed.loss[0],
+                        batch=None if probed.loss is None else probed.loss[1])
 
 
 # -- driver -------------------------------------------------------------------------
@@ -323,37 +436,83 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
                geometry: Geometry, solver: Solver, params: ParamSelection,
                shard: str | Shard | None) -> SharpnessResult:
     t0 = time.perf_counter()
-    _check_data(data)
-    ctx = resolve_shard(shard)
-    geo = ModelGeometry(model, geometry, params=params,
-                        probed=_first_call(model, loss_fn, data, geometry))
+    check_call(model, loss_fn, geometry)
+    check_data(data)
+    ctx = _shard_context(shard)
+    with preserved(model) as snap:
+        model.eval()
+        result, notes = _measure(model, loss_fn, _Batches(data), rho, geometry, solver,
+                                 params, ctx, snap, t0)
+    for note in notes:
+        warnings.warn(note, ZeroGradientWarning, stacklevel=3)
+    return result
+
+
+def _shard_context(shard: str | Shard | None) -> ShardContext:
+    if shard is not None and not isinstance(shard, (str, Shard)):
+        raise ArgumentTypeError(
+            f"shard must be None, 'batches', 'within_batch' or a qm.Shard, got "
+            f"{type(shard).__name__} {shard!r}")
+    return resolve_shard(shard)
+
+
+def _setup(model: nn.Module, loss_fn: LossFn, batches: _Batches, geometry: Geometry,
+           params: ParamSelection, snap: ModelSnapshot, rho: float
+           ) -> tuple[ModelGeometry, FeasibleSet]:
+    check_finite_parameters(model, select_parameters(model, params))
+    probed = _capture(model, loss_fn, batches, snap) if _needs_discovery(geometry) else None
+    geo = ModelGeometry(model, geometry, params=params, probed=probed)
     feasible = make_feasible(geometry.ball, geo.space, rho,
                              w2=None if geometry.ball == "metric" else geo.w2(),
                              horizontal=bool(geo.groups))
+    return geo, feasible
+
+
+def _measure(model: nn.Module, loss_fn: LossFn, batches: _Batches, rho: float,
+             geometry: Geometry, solver: Solver, params: ParamSelection, ctx: ShardContext,
+             snap: ModelSnapshot, t0: float) -> tuple[SharpnessResult, list[str]]:
+    setup: tuple[ModelGeometry, FeasibleSet] | None = None
+    try:
+        setup = _setup(model, loss_fn, batches, geometry, params, snap, rho)
+    except Exception as e:
+        if not ctx.active:
+            raise
+        ctx.check_same(None, error=e)  # tells the other ranks, then raises e
+    assert setup is not None
+    geo, feasible = setup
     ctx.check_same(geo.base_points)
     gen = None
     if getattr(solver, "random", False):  # samples or random starts
         gen = torch.Generator()
         gen.manual_seed(ctx.common_seed(getattr(solver, "seed", None)))
-    ev = ctx.evaluator(_Evaluator(model, loss_fn))
+    raw_ev = _Evaluator(model, loss_fn, snap)
+    ev = ctx.evaluator(raw_ev)
+    first = _FirstEvaluation(geo)
     per, base_l, max_l, pnorm, norms, n_evals = [], [], [], [], [], 0
     done: list[int] = []
+    seen: list[tuple] = []  # batch fingerprints, compared across ranks
     method = "adaptive" if geometry.metric is None else "geodesic"
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=_len(data), desc=f"{method} sharpness", unit="batch",
+    bar = tqdm(total=batches.size, desc=f"{method} sharpness", unit="batch",
                disable=not (solver.progress and ctx.main), leave=False)
+    failure: Exception | None = None
     try:
-        with _eval_mode(model), torch.enable_grad():
-            for b, batch in enumerate(data):
+        with torch.enable_grad():
+            for b, batch in enumerate(batches):
+                raw_ev.batch_index = b
+                if ctx.active:
+                    seen.append(batch_fingerprint(batch))
                 if not ctx.owns(b):  # shard="batches": another rank solves this batch
                     if gen is not None and hasattr(solver, "skip"):
                         solver.skip(feasible, gen)  # keep the draws of later batches in step
                     continue
                 with torch.no_grad():
                     base = _finite(float(ev(geo.base, batch)), b, "at the unperturbed weights")
-                prob = _BatchProblem(geo, ev, batch, b)
+                prob = _BatchProblem(geo, ev, batch, b, first)
                 best_t, xi, evals = solver.solve(prob, feasible, base, gen)
+                if xi is not None:
+                    check_feasible(feasible, xi, b)
                 best = float(best_t)
                 nrm = {} if xi is None else {k: float(v) for k, v in feasible.norms(xi).items()}
                 n_evals += evals
@@ -364,6 +523,10 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
                 pnorm.append(nrm.get("total", float("nan")))
                 done.append(b)
                 bar.update(1)
+    except Exception as e:
+        if not ctx.active:
+            raise
+        failure = e  # raised after the ranks have exchanged it
     finally:
         bar.close()
     settings = {"rho": rho, **geometry.settings(), **solver.settings(),
@@ -374,7 +537,8 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
     elapsed = time.perf_counter() - t0
     if ctx.active:
         recs, n_evals, elapsed = ctx.gather(
-            list(zip(done, per, base_l, max_l, pnorm, norms, strict=True)), n_evals, elapsed)
+            list(zip(done, per, base_l, max_l, pnorm, norms, strict=True)), n_evals, elapsed,
+            fingerprints=seen, error=failure)
         done, per, base_l, max_l, pnorm, norms = (list(c) for c in zip(*recs, strict=True)) \
             if recs else ([], [], [], [], [], [])
         settings = {**settings, "shard": ctx.mode, "world_size": ctx.world_size}
@@ -397,7 +561,7 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
         norms=norms,
         n_evals=n_evals,
         elapsed_s=elapsed,
-    )
+    ), first.warnings
 
 
 def _solver(given: Solver | None, n_iter: int | None) -> Solver:
