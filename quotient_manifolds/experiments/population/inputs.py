@@ -4,7 +4,8 @@ Factories are named `module:function` (or `path/to/file.py:function`) and called
 arguments. Checkpoint files are `.safetensors`, or files that `torch.load(path,
 weights_only=True)` reads: nothing is unpickled unsafely. Every problem raises
 [`PopulationInputError`][quotient_manifolds.errors.PopulationInputError], whose message names
-the parameter (`model=…`, `data=…`, `loss=…`) and what to do.
+the parameter (`model=…`, `data=…`, `loss=…`) and what to do; a checkpoint with a NaN or
+Inf weight raises [`NonFiniteWeightError`][quotient_manifolds.errors.NonFiniteWeightError].
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 
 from ..._deps import require
 from ...errors import PopulationInputError
-from ..hf_checkpoints import logits_loss
+from ..hf_checkpoints import check_finite_weights, logits_loss
 
 __all__ = ["call_factory", "check_fits", "default_loss", "load_checkpoint", "load_factory"]
 
@@ -102,7 +103,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The `state_dict` in `path`: safetensors, or `torch.load(weights_only=True)`.
 
     A dict holding the state under `"state_dict"` or `"model"` (a training checkpoint) is
-    unwrapped. Files that need unsafe unpickling are refused.
+    unwrapped. Files that need unsafe unpickling are refused, and so are NaN or Inf weights
+    ([`NonFiniteWeightError`][quotient_manifolds.errors.NonFiniteWeightError], naming `path`
+    and the tensor).
     """
     p = Path(path)
     if not p.is_file():
@@ -113,12 +116,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         safetensors = require("safetensors", "reading .safetensors checkpoints")
         st = require("safetensors.torch", "reading .safetensors checkpoints")
         try:
-            return st.load_file(str(p))
+            state = st.load_file(str(p))
         except (safetensors.SafetensorError, OSError, ValueError) as e:
             raise PopulationInputError(
                 f"checkpoint {path} is not a readable safetensors file ({e}); re-save it with "
                 "safetensors.torch.save_file(model.state_dict(), path)"
             ) from None
+        check_finite_weights(state.items(), path)
+        return state
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...
@@ -138,6 +143,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"checkpoint {path} holds a {type(obj).__name__}, not a state_dict of tensors; "
             "save it with torch.save(model.state_dict(), path)"
         )
+    check_finite_weights(obj.items(), path)
     return dict(obj)
 
 
