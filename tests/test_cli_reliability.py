@@ -107,3 +107,13 @@ def test_non_finite_weight_in_a_hugging_face_folder(tmp_path, monkeypatch, capsy
     line = _err(capsys, ["sharpness", "--batches", "b.safetensors", "--batch-size", "2",
                          "--measures", "adaptive", "--n-iter", "2", "--no-progress", "m0"])
     assert "checkpoint m0 holds non-finite weights: classifier.weight (1 NaN of 24 values)" in line
+
+
+# -- the results file --------------------------------------------------------------------------
+def test_results_record_each_measures_own_kind(pop, capsys):
+    code = main([*SHARP, "--measures", "adaptive,adaptive-average,geodesic-inv-full-average",
+                 "--out", "r.jsonl", "m0.pt"])
+    assert code == 0, capsys.readouterr().err
+    kinds = {r["measure"]: r["kind"] for r in read_jsonl(pop / "r.jsonl")}
+    assert kinds == {"adaptive": "worst", "adaptive-average": "average",
+                     "geodesic-inv-full-average": "average"}

@@ -251,7 +251,7 @@ class _Run:
         self.dtype = _DTYPES[dtype]
         self.base: dict[str, Any] = dict(
             rho=float(settings.rho), n_iter=int(settings.n_iter), seed=int(settings.seed),
-            kind="worst", model=model or "hf", data=self.data_spec, loss=loss or "default",
+            model=model or "hf", data=self.data_spec, loss=loss or "default",
             dtype=dtype or "model")
         self.fixed: list | None = None
         if isinstance(data, BatchFile):
@@ -291,7 +291,9 @@ class _Run:
                              stem=p.name if p.is_dir() else p.stem, sha256=checkpoint_sha256(p))
                 if self.hf:
                     ident["architecture"] = self.archs[i]
-            rec = {**ident, "measure": measures[j], **self.base}
+            # the measure's own kind: worst case (Auto-PGD) or average case (Gaussian samples)
+            rec = {**ident, "measure": measures[j], "kind": MEASURES[measures[j]].kind,
+                   **self.base}
             rec["key"] = _key(rec)
             if rec["key"] in results.keys:
                 n_skip += 1
