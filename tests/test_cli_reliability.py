@@ -7,6 +7,7 @@ is loaded or measured; the hypothesis tests throw generated values at the flags.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -117,3 +118,46 @@ def test_results_record_each_measures_own_kind(pop, capsys):
     kinds = {r["measure"]: r["kind"] for r in read_jsonl(pop / "r.jsonl")}
     assert kinds == {"adaptive": "worst", "adaptive-average": "average",
                      "geodesic-inv-full-average": "average"}
+
+
+# -- correlate ---------------------------------------------------------------------------------
+def _results(folder, values: dict[str, float]) -> None:
+    """A results file of one measure at one radius, written by hand (nothing is measured)."""
+    lines = [json.dumps({"checkpoint": f"{c}.pt", "path": str(folder / f"{c}.pt"), "stem": c,
+                         "measure": "adaptive", "rho": 0.1, "value": v}) for c, v in values.items()]
+    (folder / "res.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_correlate_counts_only_members_with_a_finite_gap(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _results(tmp_path, {f"m{i}": float(i) for i in range(6)})
+    (tmp_path / "gaps.csv").write_text(
+        "checkpoint,gap\nm0,0.1\nm1,0.2\nm2,nan\nm3,0.4\nm4,inf\nm5,0.6\n")
+    assert main(["correlate", "res.jsonl", "gaps.csv", "--no-plots", "--n-boot", "50"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "4 checkpoints with a gap, 2 dropped: gap NaN (m2.pt), gap Inf (m4.pt)"
+    assert out[2].split()[:3] == ["adaptive", "0.1", "4"]  # measure, rho, n
+    blob = json.loads((tmp_path / "correlation.json").read_text())
+    assert blob["n_members"] == len(blob["members"]) == blob["rows"][0]["n"] == 4
+    assert blob["dropped"] == [{"checkpoint": "m2.pt", "reason": "gap NaN"},
+                               {"checkpoint": "m4.pt", "reason": "gap Inf"}]
+    assert blob["rows"][0]["tau"] == pytest.approx(1.0)
+
+
+def test_correlate_reports_members_without_a_finite_sharpness(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _results(tmp_path, {"m0": 0.0, "m1": 1.0, "m2": math.nan, "m3": 3.0})
+    (tmp_path / "gaps.csv").write_text("checkpoint,gap\nm0,0.1\nm1,0.2\nm2,0.3\nm3,0.4\n")
+    assert main(["correlate", "res.jsonl", "gaps.csv", "--no-plots", "--n-boot", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "adaptive at rho 0.1: 1 dropped (no finite sharpness)" in out
+
+
+def test_correlate_with_too_few_finite_gaps_says_which_were_dropped(tmp_path, monkeypatch,
+                                                                    capsys):
+    monkeypatch.chdir(tmp_path)
+    _results(tmp_path, {f"m{i}": float(i) for i in range(3)})
+    (tmp_path / "gaps.csv").write_text("checkpoint,gap\nm0,0.1\nm1,nan\nm2,0.3\n")
+    line = _err(capsys, ["correlate", "res.jsonl", "gaps.csv", "--no-plots"])
+    assert "only 2 checkpoint(s) of res.jsonl have a gap in gaps.csv (1 dropped: gap NaN " \
+           "(m1.pt)); τ needs at least 3 finite gaps" in line
