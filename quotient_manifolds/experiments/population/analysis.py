@@ -21,7 +21,7 @@ from pathlib import Path
 from ..._deps import require
 from ...errors import PopulationInputError
 from ...sharpness.measures import MEASURES
-from ..stats import kendall_tau
+from ..stats import check_n_boot, kendall_tau
 from ..store import atomic_write_text
 from .results_file import read_jsonl
 
@@ -99,7 +99,15 @@ def correlate(
     "n", "n_dropped"}], "members": [...], "dropped": [{"checkpoint", "reason"}],
     "unmatched": [...], "figures": [...]}`. A member whose gap is NaN or Inf is left out and
     listed in `dropped`; `n_members` counts the members used.
+
+    Raises
+    ------
+    InvalidArgumentError
+        `n_boot` is not an integer from 1.
+    PopulationInputError
+        A missing or malformed results or gaps file, or fewer than 3 members with a gap.
     """
+    n_boot = check_n_boot(n_boot)  # before any file is read
     rp = Path(results)
     if not rp.is_file():
         raise PopulationInputError(f"results file {results} does not exist; write it with "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -42,7 +43,7 @@ from .inputs import call_factory, check_fits, default_loss, load_checkpoint, loa
 from .ranks import assigned_pairs, distributed_rank, rank_device
 from .results_file import ResultsFile
 
-__all__ = ["DEFAULT_MEASURES", "BatchFile", "MeasureSettings", "evaluate_population"]
+__all__ = ["DEFAULT_MEASURES", "SEED_MAX", "BatchFile", "MeasureSettings", "evaluate_population"]
 
 DEFAULT_MEASURES = ("adaptive", "geodesic-inv-full", "geodesic-mix-full")
 """The default measures: adaptive sharpness (Eq. 1, ℓ2 ball, reference algorithm) and
@@ -50,6 +51,9 @@ geodesic sharpness (Eq. 4) with the `inv` or `mix` metric, the second-order retr
 (Eq. 5) and every symmetry the library recognises (the library's default; `geodesic-inv` and
 `geodesic-mix` are the paper's measure, GL(h) per head). Any name of the measure table
 [`MEASURES`][quotient_manifolds.sharpness.measures.MEASURES] may be asked for."""
+
+SEED_MAX = 2**63 - 1
+"""The largest seed (`torch.Generator.manual_seed` takes 0 to 2**63-1)."""
 
 _DTYPES = {None: None, "float32": torch.float32, "float64": torch.float64}
 
@@ -69,13 +73,14 @@ class MeasureSettings:
     n_iter : int
         Auto-PGD iterations (the samples of an average-case measure).
     seed : int
-        The seed of every measurement.
+        The seed of every measurement, 0 to
+        [`SEED_MAX`][quotient_manifolds.experiments.population.runner.SEED_MAX] (2**63-1).
 
     Raises
     ------
     PopulationInputError
         A measure that is not in the table or is named twice, a radius that is not a positive
-        number, or `n_iter < 1`.
+        number, `n_iter` that is not an integer from 1, or a seed outside 0 to 2**63-1.
     """
 
     measures: tuple[str, ...] = DEFAULT_MEASURES
@@ -97,8 +102,17 @@ class MeasureSettings:
         rho = self.rho
         if not (isinstance(rho, (int, float)) and rho > 0 and math.isfinite(rho)):
             raise PopulationInputError(f"rho={rho} must be a positive number, e.g. rho=0.1")
-        if self.n_iter < 1:
-            raise PopulationInputError(f"n_iter={self.n_iter} must be at least 1")
+        if not _is_int(self.n_iter) or self.n_iter < 1:
+            raise PopulationInputError(
+                f"n_iter={self.n_iter!r} must be at least 1 (an integer, e.g. n_iter=20)")
+        if not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX:
+            raise PopulationInputError(
+                f"seed={self.seed!r} must be an integer from 0 to 2**63-1 = {SEED_MAX}, "
+                "e.g. seed=0")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
