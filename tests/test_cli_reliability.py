@@ -7,13 +7,17 @@ is loaded or measured; the hypothesis tests throw generated values at the flags.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import sys
 
+import hypothesis.strategies as st
 import pytest
 import torch
 from helpers import population_states
+from hypothesis import given, settings
 
 from quotient_manifolds.cli import main
 from quotient_manifolds.errors import NonFiniteWeightError
@@ -161,3 +165,144 @@ def test_correlate_with_too_few_finite_gaps_says_which_were_dropped(tmp_path, mo
     line = _err(capsys, ["correlate", "res.jsonl", "gaps.csv", "--no-plots"])
     assert "only 2 checkpoint(s) of res.jsonl have a gap in gaps.csv (1 dropped: gap NaN " \
            "(m1.pt)); τ needs at least 3 finite gaps" in line
+
+
+# -- settings: refused at parse time, in one line naming the flag --------------------------------
+@pytest.mark.parametrize("argv, expect", [
+    (["--threads", "-1"], "argument --threads: '-1' is not a positive integer; pass 1 to 1024"),
+    (["--threads", "0"], "argument --threads: '0' is not a positive integer; pass 1 to 1024"),
+    (["--threads", "4096"], "argument --threads: '4096' is not a positive integer"),
+    (["--seed", str(2**70)], f"argument --seed: '{2**70}' is not a seed; pass an integer from 0 "
+                             f"to 2**63-1 = {2**63 - 1}"),
+    (["--seed", "-1"], "argument --seed: '-1' is not a seed"),
+    (["--seed", "1.5"], "argument --seed: '1.5' is not a seed"),
+    (["--n-iter", "0"], "argument --n-iter: '0' is not a positive integer; pass 1 or more"),
+    (["--rho", "nan"], "argument --rho: 'nan' is not a positive number"),
+])
+def test_bad_sharpness_settings_are_refused_before_any_work(pop, capsys, argv, expect):
+    # the checkpoint does not exist: the setting is refused before it is looked for
+    line = _err(capsys, [*SHARP, *argv, "--measures", "adaptive-average", "missing.pt"])
+    assert line.startswith("quotient-manifolds sharpness: error: ")
+    assert expect in line and "missing.pt" not in line
+    assert line.endswith("; see quotient-manifolds sharpness --help")
+
+
+@pytest.mark.parametrize("n_boot", ["0", "-5", "ten"])
+def test_bad_n_boot_is_refused(tmp_path, monkeypatch, capsys, n_boot):
+    monkeypatch.chdir(tmp_path)
+    line = _err(capsys, ["correlate", "res.jsonl", "gaps.csv", "--n-boot", n_boot])
+    assert line.startswith(f"quotient-manifolds correlate: error: argument --n-boot: "
+                           f"'{n_boot}' is not a positive integer; pass 1 or more")
+
+
+def test_library_refuses_bad_n_boot_and_seed(tmp_path):
+    from quotient_manifolds.errors import InvalidArgumentError, PopulationInputError
+    from quotient_manifolds.experiments.population import SEED_MAX, MeasureSettings, correlate
+    from quotient_manifolds.experiments.stats import kendall_tau
+
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(InvalidArgumentError, match=rf"n_boot={bad!r} must be a positive "):
+            kendall_tau([1, 2, 3, 4], [1, 3, 2, 4], n_boot=bad)
+    with pytest.raises(InvalidArgumentError, match="n_boot=0"):  # before reading any file
+        correlate(tmp_path / "missing.jsonl", tmp_path / "missing.csv", n_boot=0)
+    assert kendall_tau([1, 2, 3, 4], [1, 3, 2, 4], n_boot=1)["ci95"][0] <= 1
+    for bad in (-1, SEED_MAX + 1, 2**70, 1.0):
+        with pytest.raises(PopulationInputError, match=r"seed=.* must be an integer from 0 to "):
+            MeasureSettings(seed=bad)
+    with pytest.raises(PopulationInputError, match=r"n_iter=2\.5 must be at least 1"):
+        MeasureSettings(n_iter=2.5)
+    assert MeasureSettings(seed=SEED_MAX).seed == SEED_MAX
+
+
+def test_huge_seed_through_the_entry_point(pop):
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pop), str(root)])}
+    p = subprocess.run([sys.executable, "-m", "quotient_manifolds", *SHARP, "--measures",
+                        "adaptive-average", "--seed", str(2**70), "m0.pt"], cwd=pop, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "argument --seed:" in p.stderr and "Traceback" not in p.stderr
+
+
+# -- generated bad values --------------------------------------------------------------------
+def _int_in(text: str, lo: int, hi: float) -> bool:
+    try:
+        return lo <= int(text) <= hi
+    except ValueError:
+        return False
+
+
+def _positive_float(text: str) -> bool:
+    try:
+        v = float(text)
+    except ValueError:
+        return False
+    return v > 0 and math.isfinite(v)
+
+
+def _bad_ints(lo: int, hi: float) -> st.SearchStrategy[str]:
+    """Text that is not an integer from `lo` to `hi`: integers outside, numbers, words."""
+    outside = st.integers(max_value=lo - 1)
+    if hi != math.inf:
+        outside = outside | st.integers(min_value=int(hi) + 1)
+    other = st.text(max_size=8) | st.floats().map(repr)
+    return outside.map(str) | other.filter(lambda t: not _int_in(t, lo, hi))
+
+
+_BAD = {
+    "--threads": _bad_ints(1, 1024),
+    "--seed": _bad_ints(0, 2**63 - 1),
+    "--n-iter": _bad_ints(1, math.inf),
+    "--batch-size": _bad_ints(1, math.inf),
+    "--rho": (st.floats(max_value=0.0) | st.sampled_from([math.nan, math.inf])).map(repr)
+    | st.text(max_size=8).filter(lambda t: not _positive_float(t)),
+}
+
+
+def _parse_error(argv: list[str]) -> str:
+    """The standard error of `main(argv)`, which must exit with status 2 while parsing."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2, err.getvalue()
+    return err.getvalue()
+
+
+@settings(max_examples=25)
+@given(flag=st.sampled_from(sorted(_BAD)), data=st.data())
+def test_generated_bad_sharpness_flags_are_one_line_naming_the_flag(flag, data):
+    value = data.draw(_BAD[flag], label="value")
+    # no such checkpoint and no such factory: only the parser may answer
+    err = _parse_error(["sharpness", "--data", "nomod:nofn", "--no-progress", f"{flag}={value}",
+                        "missing.pt"])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"quotient-manifolds sharpness: error: argument {flag}: ")
+
+
+@settings(max_examples=15)
+@given(value=_bad_ints(1, math.inf))
+def test_generated_bad_n_boot_is_one_line_naming_the_flag(value):
+    err = _parse_error(["correlate", "missing.jsonl", "missing.csv", f"--n-boot={value}"])
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("quotient-manifolds correlate: error: argument --n-boot: ")
+    assert "pass 1 or more" in lines[0]
+
+
+@settings(max_examples=25)
+@given(seed=st.integers() | st.floats(allow_nan=True) | st.booleans())
+def test_measure_settings_accept_exactly_the_generator_seeds(seed):
+    from quotient_manifolds.errors import PopulationInputError
+    from quotient_manifolds.experiments.population import MeasureSettings
+
+    ok = isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= 2**63 - 1
+    if ok:
+        assert MeasureSettings(measures=("adaptive",), seed=seed).seed == seed
+    else:
+        with pytest.raises(PopulationInputError, match="seed="):
+            MeasureSettings(measures=("adaptive",), seed=seed)
