@@ -11,7 +11,9 @@ import contextlib
 import io
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
@@ -215,9 +217,7 @@ def test_library_refuses_bad_n_boot_and_seed(tmp_path):
 
 
 def test_huge_seed_through_the_entry_point(pop):
-    import os
     import subprocess
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pop), str(root)])}
@@ -306,3 +306,85 @@ def test_measure_settings_accept_exactly_the_generator_seeds(seed):
     else:
         with pytest.raises(PopulationInputError, match="seed="):
             MeasureSettings(measures=("adaptive",), seed=seed)
+
+
+# -- --out: checked before any work ------------------------------------------------------------
+_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0  # root writes to read-only folders
+_SYS = Path("/sys")  # sysfs: no file can be created there, not even by root
+
+
+@pytest.fixture
+def marked(pop):
+    """`marker:make_data`, popmod's data, leaving `data-called` behind when it is called."""
+    (pop / "marker.py").write_text(
+        "import pathlib, popmod\n"
+        "def make_data():\n"
+        "    pathlib.Path('data-called').touch()\n"
+        "    return popmod.make_data()\n")
+    yield pop
+    sys.modules.pop("marker", None)
+
+
+def _out_err(capsys, folder, out: str) -> str:
+    line = _err(capsys, [*SHARP[:4], "marker:make_data", *SHARP[5:], "--measures", "adaptive",
+                         "--out", out, "m0.pt", "m1.pt"])
+    assert not (folder / "data-called").exists()  # refused before any measurement
+    return line
+
+
+def test_out_in_place_of_a_folder_is_a_file(marked, capsys):
+    (marked / "afile").write_text("x")
+    line = _out_err(capsys, marked, "afile/r.jsonl")
+    assert line == ("quotient-manifolds sharpness: error: --out afile/r.jsonl: afile is a file, "
+                    "not a folder; pass a path in a folder you can write to")
+
+
+def test_out_is_a_folder(marked, capsys):
+    (marked / "adir").mkdir()
+    assert "error: --out adir is a folder; pass a file name, e.g. adir/results.jsonl" in \
+        _out_err(capsys, marked, "adir")
+
+
+@pytest.mark.skipif(not (_SYS / "kernel").is_dir(), reason="needs Linux sysfs")
+def test_out_in_a_folder_where_no_file_can_be_created(marked, capsys):
+    line = _out_err(capsys, marked, str(_SYS / "r.jsonl"))
+    assert "error: --out /sys/r.jsonl: no file can be created in folder /sys (" in line
+    assert line.endswith("); pass a path in a folder you can write to")
+
+
+@pytest.mark.skipif(_ROOT, reason="root writes to read-only folders and files")
+def test_out_read_only_folder_and_file(marked, capsys):
+    ro = marked / "ro"
+    ro.mkdir()
+    (ro / "old.jsonl").write_text("")
+    (marked / "rofile.jsonl").write_text("")
+    (marked / "rofile.jsonl").chmod(0o444)
+    ro.chmod(0o555)
+    try:
+        line = _out_err(capsys, marked, "ro/r.jsonl")
+        assert "--out ro/r.jsonl: no file can be created in folder ro (Permission denied)" in line
+        line = _out_err(capsys, marked, "rofile.jsonl")
+        assert "--out rofile.jsonl cannot be written (Permission denied)" in line
+    finally:
+        ro.chmod(0o755)
+
+
+def test_correlate_out_is_checked_before_the_inputs_are_read(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _results(tmp_path, {f"m{i}": float(i) for i in range(3)})
+    (tmp_path / "afile").write_text("x")
+    # the gaps file does not exist: --out is refused first
+    base = ["correlate", "res.jsonl", "missing.csv", "--no-plots", "--out"]
+    assert _err(capsys, [*base, "afile"]) == \
+        "quotient-manifolds correlate: error: --out afile is a file; pass a folder"
+    assert _err(capsys, [*base, "afile/figs/x"]) == (
+        "quotient-manifolds correlate: error: --out afile/figs/x cannot be created: afile is a "
+        "file, not a folder; pass another folder")
+    if (_SYS / "kernel").is_dir():
+        line = _err(capsys, [*base, "/sys/qm-figs"])
+        assert "--out /sys/qm-figs cannot be created in /sys (" in line
+    # a folder that does not exist yet is fine: it is made when the table is written
+    (tmp_path / "gaps.csv").write_text("checkpoint,gap\nm0,0.1\nm1,0.2\nm2,0.3\n")
+    assert main(["correlate", "res.jsonl", "gaps.csv", "--no-plots", "--n-boot", "20", "--out",
+                 "new/figs"]) == 0
+    assert (tmp_path / "new" / "figs" / "correlation.json").is_file()

@@ -23,6 +23,7 @@ from ...errors import PopulationInputError
 from ...sharpness.measures import MEASURES
 from ..stats import check_n_boot, kendall_tau
 from ..store import atomic_write_text
+from .inputs import check_out_folder
 from .results_file import read_jsonl
 
 __all__ = ["correlate", "format_table", "read_gaps"]
@@ -105,13 +106,16 @@ def correlate(
     InvalidArgumentError
         `n_boot` is not an integer from 1.
     PopulationInputError
-        A missing or malformed results or gaps file, or fewer than 3 members with a gap.
+        A missing or malformed results or gaps file, an `out` folder that cannot be written
+        (checked first), or fewer than 3 members with a gap.
     """
     n_boot = check_n_boot(n_boot)  # before any file is read
     rp = Path(results)
     if not rp.is_file():
         raise PopulationInputError(f"results file {results} does not exist; write it with "
                                    "evaluate_population first")
+    # the output folder is checked before any work (created only when writing)
+    outdir = check_out_folder(Path(out) if out is not None else rp.parent)
     recs = read_jsonl(rp)
     gap_of = read_gaps(gaps)
     recs = [r for r in recs if {"measure", "rho", "value", "checkpoint"} <= r.keys()]
@@ -159,7 +163,6 @@ def correlate(
             xs = [m["measures"].get(name, {}).get(rho, math.nan) for m in mlist]
             t = kendall_tau(xs, [m["gap"] for m in mlist], n_boot=n_boot, seed=seed)
             rows.append({"measure": name, "rho": float(rho), **t})
-    outdir = Path(out) if out is not None else rp.parent
     outdir.mkdir(parents=True, exist_ok=True)
     figures = []
     if plots:

@@ -39,7 +39,14 @@ from ..hf_checkpoints import (
     load_batches,
     load_hf_model,
 )
-from .inputs import call_factory, check_fits, default_loss, load_checkpoint, load_factory
+from .inputs import (
+    call_factory,
+    check_fits,
+    check_out_file,
+    default_loss,
+    load_checkpoint,
+    load_factory,
+)
 from .ranks import assigned_pairs, distributed_rank, rank_device
 from .results_file import ResultsFile
 
@@ -255,7 +262,7 @@ class _Run:
         self.checkpoints, self.settings, self.model_spec = list(checkpoints), settings, model
         self.hf = model is None
         self.paths, self.archs = self._checked_checkpoints()
-        self.out = _checked_out(Path(out))
+        self.out = check_out_file(out)  # before any work: no measurement is lost to it
         self.rank, self.world = distributed_rank()
         self.device = rank_device(device, self.world)
         self.model_fn = load_factory(model, "model") if model else None
@@ -389,15 +396,6 @@ class _Run:
             if self.world > 1:
                 rec.update(rank=self.rank, world_size=self.world)
             yield rec
-
-
-def _checked_out(out: Path) -> Path:
-    if out.exists() and out.is_dir():
-        raise PopulationInputError(f"out={out} is a folder; pass a file name, e.g. "
-                                   f"{out / 'results.jsonl'}")
-    if not out.parent.exists():
-        raise PopulationInputError(f"out={out}: folder {out.parent} does not exist; create it")
-    return out
 
 
 def _moved(batch: Any, device: str | torch.device | None, dtype: torch.dtype | None) -> Any:
