@@ -137,9 +137,8 @@ class PopulationInputError(QuotientManifoldError, ValueError):
     """A file, factory, checkpoint, results line or setting given to the command line does not
     fit.
 
-    The message names the input (or the parameter: `out=…`, `n_boot=…`, `seed=…`) and what to
-    do; the command line prints it as one line, in its own flags (`--out …`), and exits with
-    status 2.
+    The message names the input (or the parameter: `out=…`, `seed=…`) and what to do; the
+    command line prints it as one line, in its own flags (`--out …`), and exits with status 2.
     """
 
 
