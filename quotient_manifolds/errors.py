@@ -22,6 +22,7 @@ __all__ = [
     "ExampleInputError",
     "DistributedError",
     "PopulationInputError",
+    "NonFiniteWeightError",
     "MissingDependencyError",
     "NoParametersError",
     "ParameterSelectionError",
@@ -134,10 +135,23 @@ class DistributedError(QuotientManifoldError, RuntimeError):
 
 
 class PopulationInputError(QuotientManifoldError, ValueError):
-    """A file, factory, checkpoint or results line given to the command line does not fit.
+    """A file, factory, checkpoint, results line or setting given to the command line does not
+    fit.
 
-    The message names the input and what to do; the command line prints it as one line and
-    exits with status 2.
+    The message names the input (or the parameter: `out=…`, `seed=…`) and what to do; the
+    command line prints it as one line, in its own flags (`--out …`), and exits with status 2.
+    """
+
+
+class NonFiniteWeightError(NonFiniteError, PopulationInputError):
+    """A checkpoint given to the command line holds a NaN or Inf weight.
+
+    Raised when the checkpoint is loaded, before it is measured; the message names the
+    checkpoint and the parameter. Drop the checkpoint from the population (its training
+    diverged, or the file is corrupt) or re-save it. A
+    [`NonFiniteError`][quotient_manifolds.errors.NonFiniteError] and a
+    [`PopulationInputError`][quotient_manifolds.errors.PopulationInputError]: the command line
+    prints it as one line and exits with status 2.
     """
 
 

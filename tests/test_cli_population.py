@@ -27,6 +27,7 @@ from quotient_manifolds.cli import main
 from quotient_manifolds.experiments.population import read_jsonl
 
 N_CKPT = 5
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Evil:
@@ -57,7 +58,8 @@ def _default_sigint() -> None:
 
 
 def _cli(cwd, *args, env=None, **kw):
-    e = {**os.environ, "PYTHONPATH": str(cwd), **(env or {})}
+    # the factory module's folder, then this checkout (not another install of the package)
+    e = {**os.environ, "PYTHONPATH": os.pathsep.join([str(cwd), str(ROOT)]), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "quotient_manifolds", *args], cwd=cwd,
                             env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_default_sigint, **kw)

@@ -5,8 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage block), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}; see {self.prog} "
+                     "--help\n")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -45,7 +54,7 @@ def _reproduce(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="quotient-manifolds", description=__doc__)
+    parser = _Parser(prog="quotient-manifolds", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="measure the geometry facts on a random GL(h) block")
     demo.add_argument("--n", type=int, default=4)

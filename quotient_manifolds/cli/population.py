@@ -12,13 +12,20 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..errors import MissingDependencyError, PopulationInputError, QuotientManifoldError
+from ..errors import (
+    InvalidArgumentError,
+    MissingDependencyError,
+    PopulationInputError,
+    QuotientManifoldError,
+)
 from ..experiments.population import (
     DEFAULT_MEASURES,
+    SEED_MAX,
     BatchFile,
     MeasureSettings,
     correlate,
@@ -33,8 +40,11 @@ __all__ = ["add_subcommands"]
 
 #: the library's parameters and functions that the command line names otherwise
 _FLAGS = {"model": "--model", "data": "--data", "loss": "--loss", "batch_size": "--batch-size",
-          "rho": "--rho", "n_iter": "--n-iter", "out": "--out"}
+          "rho": "--rho", "n_iter": "--n-iter", "out": "--out", "seed": "--seed",
+          "n_boot": "--n-boot"}
 _PARAMETER = re.compile(r"(?<![\w.])(" + "|".join(_FLAGS) + r")=")
+#: more threads than any machine has cores (torch takes up to 2**31-1, then tries to start them)
+_THREADS_MAX = 1024
 _NAMES = (("plots=False", "--no-plots"), ("evaluate_population", "'quotient-manifolds sharpness'"))
 
 
@@ -58,13 +68,33 @@ def _measures_arg(text: str) -> list[str]:
     return names
 
 
-def _count(text: str) -> int:
+def _count(example: int, most: int | None = None) -> Callable[[str], int]:
+    """An argparse `type=` accepting the integers from 1 (to `most`); `example` goes into the
+    message."""
+    accepted = f"1 to {most}" if most is not None else "1 or more"
+
+    def count(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:  # also the digits beyond int's limit
+            v = 0
+        if v < 1 or (most is not None and v > most):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a positive integer; pass {accepted} (e.g. {example})")
+        return v
+
+    return count
+
+
+def _seed(text: str) -> int:
+    """An argparse `type=` accepting the seeds of torch's generators: 0 to 2**63-1."""
     try:
         v = int(text)
     except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer (e.g. 8)")
+        v = -1
+    if not 0 <= v <= SEED_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a seed; pass an integer from 0 to 2**63-1 = {SEED_MAX} (e.g. 0)")
     return v
 
 
@@ -124,7 +154,7 @@ def _run_correlate(args: argparse.Namespace) -> int:
                                        "'quotient-manifolds sharpness ... --out FILE' first")
         blob = correlate(args.results, args.gaps, args.out, n_boot=args.n_boot,
                          plots=not args.no_plots)
-    except (PopulationInputError, MissingDependencyError) as e:
+    except (PopulationInputError, InvalidArgumentError, MissingDependencyError) as e:
         return _fail("correlate", e)
     print(format_table(blob))
     for f in blob["figures"]:
@@ -155,7 +185,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                      "pixel_values/labels (one row per example), cut into --batch-size rows")
     src.add_argument("--data", metavar="MODULE:FUNCTION",
                      help="function returning an iterable of batches (called per measurement)")
-    s.add_argument("--batch-size", type=_count, metavar="N", help="rows per batch of --batches")
+    s.add_argument("--batch-size", type=_count(8), metavar="N", help="rows per batch of --batches")
     s.add_argument("--loss", metavar="MODULE:FUNCTION",
                    help="loss_fn(model, batch) -> scalar; default: the model's .loss (or "
                    "cross-entropy of .logits) for dict batches with labels, "
@@ -164,14 +194,17 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help=f"comma-separated, from {','.join(MEASURES)} (default: "
                    f"{','.join(DEFAULT_MEASURES)})")
     s.add_argument("--rho", type=_positive, default=0.1, help="radius of the ball (default 0.1)")
-    s.add_argument("--n-iter", type=_count, default=20, help="APGD iterations (default 20)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--n-iter", type=_count(20), default=20,
+                   help="APGD iterations, or samples of an average measure (default 20)")
+    s.add_argument("--seed", type=_seed, default=0,
+                   help="seed of the average measures' samples, 0 to 2**63-1 (default 0)")
     s.add_argument("--out", default="results.jsonl", help="results file (default results.jsonl)")
     s.add_argument("--dtype", choices=["float32", "float64"],
                    help="convert the model and floating batch tensors (default: as stored)")
     s.add_argument("--device", help="e.g. cuda (under torchrun: cuda:LOCAL_RANK); default: "
                    "the CPU, or where the model factory puts it")
-    s.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    s.add_argument("--threads", type=_count(4, _THREADS_MAX),
+                   help=f"torch.set_num_threads, 1 to {_THREADS_MAX} (default: torch's)")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_run_sharpness)
 
@@ -185,6 +218,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    "stem or folder name")
     c.add_argument("--out", help="folder for correlation.json and the PNGs (default: the "
                    "results file's folder)")
-    c.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    c.add_argument("--n-boot", type=_count(2000), default=2000,
+                   help="bootstrap resamples, 1 or more (default 2000)")
     c.add_argument("--no-plots", action="store_true", help="skip the scatter PNGs")
     c.set_defaults(func=_run_correlate)

@@ -12,7 +12,9 @@ The batches are one safetensors file that holds the model inputs (`input_ids` an
 batches of `batch_size` rows in stored order (the last batch may be smaller).
 
 Every problem raises [`PopulationInputError`][quotient_manifolds.errors.PopulationInputError]
-with a message that names the folder or file and what is missing.
+with a message that names the folder or file and what is missing; a NaN or Inf weight raises
+[`NonFiniteWeightError`][quotient_manifolds.errors.NonFiniteWeightError], naming the checkpoint
+and the parameter.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 
 from .._deps import require
-from ..errors import PopulationInputError
+from ..errors import NonFiniteWeightError, PopulationInputError
 from ..tree import tree_map
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "WEIGHT_FILES",
     "checkpoint_sha256",
     "check_batch_keys",
+    "check_finite_weights",
     "check_hf_checkpoint",
     "hf_architecture",
     "load_batches",
@@ -170,6 +173,9 @@ def load_hf_model(
         As `check_hf_checkpoint`, and when the weights do not fit the architecture
         (missing, unexpected or mismatched tensors): a model with freshly initialised
         weights is never measured.
+    NonFiniteWeightError
+        A stored weight is NaN or Inf
+        ([`check_finite_weights`][quotient_manifolds.experiments.hf_checkpoints.check_finite_weights]).
     """
     p = Path(path)
     arch = check_hf_checkpoint(p)
@@ -201,11 +207,39 @@ def load_hf_model(
             f"checkpoint folder {p}: the weights do not fit {arch} of its config.json: "
             f"{'; '.join(problems)}; {_SAVE}"
         )
+    # what the folder stores: parameters and persistent buffers (not e.g. a causal mask of -inf)
+    check_finite_weights(model.state_dict().items(), p)
     if dtype is not None:
         model = model.to(dtype)
     if device is not None:
         model = model.to(device)
     return model.eval()
+
+
+def check_finite_weights(named: Iterable[tuple[str, torch.Tensor]],
+                         checkpoint: str | os.PathLike) -> None:
+    """Every floating tensor of `named` (`(name, tensor)` pairs read from `checkpoint`) must be
+    finite.
+
+    Raises
+    ------
+    NonFiniteWeightError
+        Naming `checkpoint`, the tensors with a NaN or Inf and how many of their values are.
+    """
+    bad = []
+    for name, t in named:
+        if not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t).all()):
+            continue
+        n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        what = " and ".join(f"{n} {k}" for n, k in ((n_nan, "NaN"), (n_inf, "Inf")) if n)
+        bad.append(f"{name} ({what} of {t.numel()} values)")
+    if bad:
+        more = f" (+{len(bad) - 3} more tensors)" if len(bad) > 3 else ""
+        raise NonFiniteWeightError(
+            f"checkpoint {checkpoint} holds non-finite weights: {', '.join(bad[:3])}{more}; "
+            "drop it from the population (its training diverged, or the file is corrupt) or "
+            "re-save it"
+        )
 
 
 def load_pretrained_minilm(*, pooler: bool = True) -> tuple[Any, Any]:

@@ -9,11 +9,30 @@ the percentile bootstrap over members (pairs resampled with replacement).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["conditional_tau", "discretize", "granulated", "granulated_tau", "kendall_tau"]
+from ..errors import InvalidArgumentError
+
+__all__ = ["check_n_boot", "conditional_tau", "discretize", "granulated", "granulated_tau",
+           "kendall_tau"]
+
+
+def check_n_boot(n_boot: object) -> int:
+    """`n_boot`, the number of bootstrap resamples, if it is an integer from 1.
+
+    Raises
+    ------
+    InvalidArgumentError
+        Naming `n_boot` and the accepted values (0 resamples give no interval, only NaN).
+    """
+    if not isinstance(n_boot, numbers.Integral) or isinstance(n_boot, bool) or n_boot < 1:
+        raise InvalidArgumentError(
+            f"n_boot={n_boot!r} must be a positive integer (bootstrap resamples), e.g. "
+            "n_boot=2000")
+    return int(n_boot)
 
 
 def kendall_tau(
@@ -32,7 +51,7 @@ def kendall_tau(
         Paired values, one per population member; pairs with a non-finite entry
         are dropped (their number is reported as ``n_dropped``).
     n_boot : int
-        Bootstrap resamples of the members.
+        Bootstrap resamples of the members, 1 or more.
     seed : int
         Seed of the resampling (results are reproducible).
     level : float
@@ -43,8 +62,17 @@ def kendall_tau(
     dict
         ``{"tau", "ci95": [lo, hi], "p_value", "n", "n_dropped"}``; ``tau`` is NaN
         when fewer than 3 finite pairs remain or one side is constant.
+
+    Raises
+    ------
+    InvalidArgumentError
+        `n_boot` is not an integer from 1, or `level` is not in (0, 1).
     """
     from scipy.stats import kendalltau
+
+    n_boot = check_n_boot(n_boot)
+    if not 0 < level < 1:
+        raise InvalidArgumentError(f"level={level!r} must be in (0, 1), e.g. level=0.95")
 
     xa = np.asarray(x, dtype=float)
     ya = np.asarray(y, dtype=float)

@@ -39,10 +39,17 @@ from .analysis import correlate, format_table, read_gaps
 from .inputs import call_factory, check_fits, default_loss, load_checkpoint, load_factory
 from .ranks import assigned_pairs, distributed_rank, rank_device
 from .results_file import ResultsFile, append_jsonl, read_jsonl
-from .runner import DEFAULT_MEASURES, BatchFile, MeasureSettings, evaluate_population
+from .runner import (
+    DEFAULT_MEASURES,
+    SEED_MAX,
+    BatchFile,
+    MeasureSettings,
+    evaluate_population,
+)
 
 __all__ = [
     "DEFAULT_MEASURES",
+    "SEED_MAX",
     "BatchFile",
     "MeasureSettings",
     "PopulationInputError",

@@ -21,8 +21,9 @@ from pathlib import Path
 from ..._deps import require
 from ...errors import PopulationInputError
 from ...sharpness.measures import MEASURES
-from ..stats import kendall_tau
+from ..stats import check_n_boot, kendall_tau
 from ..store import atomic_write_text
+from .inputs import check_out_folder
 from .results_file import read_jsonl
 
 __all__ = ["correlate", "format_table", "read_gaps"]
@@ -96,12 +97,25 @@ def correlate(
 
     Writes `out/correlation.json` and, with `plots`, `out/scatter_<measure>.png`; returns
     the dict of `correlation.json`: `{"rows": [{"measure", "rho", "tau", "ci95", "p_value",
-    "n", ...}], "members": [...], "unmatched": [...], "figures": [...]}`.
+    "n", "n_dropped"}], "members": [...], "dropped": [{"checkpoint", "reason"}],
+    "unmatched": [...], "figures": [...]}`. A member whose gap is NaN or Inf is left out and
+    listed in `dropped`; `n_members` counts the members used.
+
+    Raises
+    ------
+    InvalidArgumentError
+        `n_boot` is not an integer from 1.
+    PopulationInputError
+        A missing or malformed results or gaps file, an `out` folder that cannot be written
+        (checked first), or fewer than 3 members with a gap.
     """
+    n_boot = check_n_boot(n_boot)  # before any file is read
     rp = Path(results)
     if not rp.is_file():
         raise PopulationInputError(f"results file {results} does not exist; write it with "
                                    "evaluate_population first")
+    # the output folder is checked before any work (created only when writing)
+    outdir = check_out_folder(Path(out) if out is not None else rp.parent)
     recs = read_jsonl(rp)
     gap_of = read_gaps(gaps)
     recs = [r for r in recs if {"measure", "rho", "value", "checkpoint"} <= r.keys()]
@@ -128,12 +142,17 @@ def correlate(
             )
         m = members.setdefault(r["path"], {"id": r["checkpoint"], "gap": g, "measures": {}})
         m["measures"].setdefault(r["measure"], {})[repr(float(r["rho"]))] = float(r["value"])
-    if len(members) < 3:
+    # a NaN or Inf gap says nothing about a rank: the member is left out, and reported
+    mlist = [m for m in members.values() if math.isfinite(m["gap"])]
+    dropped = [{"checkpoint": m["id"], "reason": f"gap {_non_finite(m['gap'])}"}
+               for m in members.values() if not math.isfinite(m["gap"])]
+    if len(mlist) < 3:
+        why = f" ({_dropped_text(dropped)})" if dropped else ""
         raise PopulationInputError(
-            f"only {len(members)} checkpoint(s) of {results} have a gap in {gaps}; τ needs at "
-            "least 3: check the checkpoint column (path as given, absolute path, or stem)"
+            f"only {len(mlist)} checkpoint(s) of {results} have a gap in {gaps}{why}; τ needs "
+            "at least 3 finite gaps: check the checkpoint column (path as given, absolute "
+            "path, or stem) and the gap column"
         )
-    mlist = list(members.values())
     order = list(MEASURES)
     names = sorted({k for m in mlist for k in m["measures"]},
                    key=lambda n: order.index(n) if n in order else len(order))
@@ -144,16 +163,30 @@ def correlate(
             xs = [m["measures"].get(name, {}).get(rho, math.nan) for m in mlist]
             t = kendall_tau(xs, [m["gap"] for m in mlist], n_boot=n_boot, seed=seed)
             rows.append({"measure": name, "rho": float(rho), **t})
-    outdir = Path(out) if out is not None else rp.parent
     outdir.mkdir(parents=True, exist_ok=True)
     figures = []
     if plots:
         figures = [str(_scatter(mlist, name, rows, outdir / f"scatter_{name}.png"))
                    for name in names]
     blob = {"results": str(rp), "gaps": str(gaps), "n_members": len(mlist), "rows": rows,
-            "members": mlist, "unmatched": unmatched, "figures": figures, "n_boot": n_boot}
+            "members": mlist, "dropped": dropped, "unmatched": unmatched, "figures": figures,
+            "n_boot": n_boot}
     atomic_write_text(outdir / "correlation.json", json.dumps(blob, indent=1))
     return blob
+
+
+def _non_finite(x: float) -> str:
+    return "NaN" if math.isnan(x) else ("Inf" if x > 0 else "-Inf")
+
+
+def _dropped_text(dropped: list[dict]) -> str:
+    """`"2 dropped: gap NaN (m3, m4), gap Inf (m5)"`: the members left out, by reason."""
+    by: dict[str, list[str]] = {}
+    for d in dropped:
+        by.setdefault(d["reason"], []).append(d["checkpoint"])
+    parts = [f"{why} ({', '.join(ids[:3])}{f' +{len(ids) - 3} more' if len(ids) > 3 else ''})"
+             for why, ids in by.items()]
+    return f"{len(dropped)} dropped: {', '.join(parts)}"
 
 
 def _scatter(members: list[dict], name: str, rows: list[dict], path: Path) -> Path:
@@ -183,12 +216,19 @@ def _scatter(members: list[dict], name: str, rows: list[dict], path: Path) -> Pa
 def format_table(blob: Mapping) -> str:
     """The τ table of
     [`correlate`][quotient_manifolds.experiments.population.analysis.correlate] as text."""
-    lines = [f"{blob['n_members']} checkpoints with a gap",
+    dropped = blob.get("dropped") or []
+    head = f"{blob['n_members']} checkpoints with a gap"
+    lines = [head + (f", {_dropped_text(dropped)}" if dropped else ""),
              f"{'measure':<14}{'rho':>8}{'n':>5}{'tau':>8}   {'95% CI':<16}{'p':>9}"]
+    short = []
     for r in blob["rows"]:
         lo, hi = r["ci95"]
         lines.append(f"{r['measure']:<14}{r['rho']:>8.3g}{r['n']:>5}{r['tau']:>8.3f}   "
                      f"[{lo:+.2f}, {hi:+.2f}]  {r['p_value']:>9.2g}")
+        if r.get("n_dropped"):
+            short.append(f"{r['measure']} at rho {r['rho']:.3g}: {r['n_dropped']} dropped "
+                         "(no finite sharpness)")
+    lines.extend(short)
     if blob["unmatched"]:
         few = ", ".join(blob["unmatched"][:3])
         more = f" (+{len(blob['unmatched']) - 3} more)" if len(blob["unmatched"]) > 3 else ""

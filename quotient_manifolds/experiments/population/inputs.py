@@ -4,7 +4,8 @@ Factories are named `module:function` (or `path/to/file.py:function`) and called
 arguments. Checkpoint files are `.safetensors`, or files that `torch.load(path,
 weights_only=True)` reads: nothing is unpickled unsafely. Every problem raises
 [`PopulationInputError`][quotient_manifolds.errors.PopulationInputError], whose message names
-the parameter (`model=…`, `data=…`, `loss=…`) and what to do.
+the parameter (`model=…`, `data=…`, `loss=…`) and what to do; a checkpoint with a NaN or
+Inf weight raises [`NonFiniteWeightError`][quotient_manifolds.errors.NonFiniteWeightError].
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,10 @@ from torch import nn
 
 from ..._deps import require
 from ...errors import PopulationInputError
-from ..hf_checkpoints import logits_loss
+from ..hf_checkpoints import check_finite_weights, logits_loss
 
-__all__ = ["call_factory", "check_fits", "default_loss", "load_checkpoint", "load_factory"]
+__all__ = ["call_factory", "check_fits", "check_out_file", "check_out_folder", "default_loss",
+           "load_checkpoint", "load_factory"]
 
 
 def load_factory(spec: str, parameter: str) -> Callable:
@@ -102,7 +105,9 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The `state_dict` in `path`: safetensors, or `torch.load(weights_only=True)`.
 
     A dict holding the state under `"state_dict"` or `"model"` (a training checkpoint) is
-    unwrapped. Files that need unsafe unpickling are refused.
+    unwrapped. Files that need unsafe unpickling are refused, and so are NaN or Inf weights
+    ([`NonFiniteWeightError`][quotient_manifolds.errors.NonFiniteWeightError], naming `path`
+    and the tensor).
     """
     p = Path(path)
     if not p.is_file():
@@ -113,12 +118,14 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         safetensors = require("safetensors", "reading .safetensors checkpoints")
         st = require("safetensors.torch", "reading .safetensors checkpoints")
         try:
-            return st.load_file(str(p))
+            state = st.load_file(str(p))
         except (safetensors.SafetensorError, OSError, ValueError) as e:
             raise PopulationInputError(
                 f"checkpoint {path} is not a readable safetensors file ({e}); re-save it with "
                 "safetensors.torch.save_file(model.state_dict(), path)"
             ) from None
+        check_finite_weights(state.items(), path)
+        return state
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...
@@ -138,6 +145,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             f"checkpoint {path} holds a {type(obj).__name__}, not a state_dict of tensors; "
             "save it with torch.save(model.state_dict(), path)"
         )
+    check_finite_weights(obj.items(), path)
     return dict(obj)
 
 
@@ -190,3 +198,76 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         f"batches of type {type(batch).__name__} have no default loss (expected a dict with "
         "'labels' or an (x, y) pair); pass loss=module:function"
     )
+
+
+# -- outputs: checked before any work, so that no measurement is lost to an unwritable path ---
+_WRITE_FIX = "pass a path in a folder you can write to"
+
+
+def _probe_folder(folder: Path) -> str | None:
+    """Why a file cannot be created in `folder` (None: it can): a temporary file is made and
+    removed, as the results are written."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".qm-write-probe.", suffix=".tmp")
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    os.close(fd)
+    os.unlink(tmp)
+    return None
+
+
+def check_out_file(path: str | os.PathLike) -> Path:
+    """`path` as a file that results can be appended to: not a folder, in an existing folder
+    where a file can be created (or an existing file that can be opened for appending).
+
+    Raises
+    ------
+    PopulationInputError
+        Naming `out=` and what to do.
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise PopulationInputError(f"out={out} is a folder; pass a file name, e.g. "
+                                   f"{out / 'results.jsonl'}")
+    parent = out.parent
+    if not parent.exists():
+        raise PopulationInputError(f"out={out}: folder {parent} does not exist; create it")
+    if not parent.is_dir():
+        raise PopulationInputError(f"out={out}: {parent} is a file, not a folder; {_WRITE_FIX}")
+    if out.exists():
+        try:
+            with open(out, "a"):  # opened for appending, not written
+                pass
+        except OSError as e:
+            raise PopulationInputError(
+                f"out={out} cannot be written ({e.strerror}); {_WRITE_FIX}, or make the file "
+                "writable") from None
+    elif (why := _probe_folder(parent)) is not None:
+        raise PopulationInputError(
+            f"out={out}: no file can be created in folder {parent} ({why}); {_WRITE_FIX}")
+    return out
+
+
+def check_out_folder(path: str | os.PathLike) -> Path:
+    """`path` as a folder that files can be written to: an existing writable folder, or one
+    that can be created (its nearest existing ancestor is a writable folder). Nothing is
+    created.
+
+    Raises
+    ------
+    PopulationInputError
+        Naming `out=` and what to do.
+    """
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise PopulationInputError(f"out={out} is a file; pass a folder")
+    base = out
+    while not base.exists():  # the folder and its missing parents are made when writing
+        base = base.parent
+    if not base.is_dir():
+        raise PopulationInputError(
+            f"out={out} cannot be created: {base} is a file, not a folder; pass another folder")
+    if (why := _probe_folder(base)) is not None:
+        what = "cannot be written" if base == out else f"cannot be created in {base}"
+        raise PopulationInputError(f"out={out} {what} ({why}); pass a folder you can write to")
+    return out

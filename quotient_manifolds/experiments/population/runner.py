@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
 import sys
 import time
@@ -38,11 +39,18 @@ from ..hf_checkpoints import (
     load_batches,
     load_hf_model,
 )
-from .inputs import call_factory, check_fits, default_loss, load_checkpoint, load_factory
+from .inputs import (
+    call_factory,
+    check_fits,
+    check_out_file,
+    default_loss,
+    load_checkpoint,
+    load_factory,
+)
 from .ranks import assigned_pairs, distributed_rank, rank_device
 from .results_file import ResultsFile
 
-__all__ = ["DEFAULT_MEASURES", "BatchFile", "MeasureSettings", "evaluate_population"]
+__all__ = ["DEFAULT_MEASURES", "SEED_MAX", "BatchFile", "MeasureSettings", "evaluate_population"]
 
 DEFAULT_MEASURES = ("adaptive", "geodesic-inv-full", "geodesic-mix-full")
 """The default measures: adaptive sharpness (Eq. 1, ℓ2 ball, reference algorithm) and
@@ -50,6 +58,9 @@ geodesic sharpness (Eq. 4) with the `inv` or `mix` metric, the second-order retr
 (Eq. 5) and every symmetry the library recognises (the library's default; `geodesic-inv` and
 `geodesic-mix` are the paper's measure, GL(h) per head). Any name of the measure table
 [`MEASURES`][quotient_manifolds.sharpness.measures.MEASURES] may be asked for."""
+
+SEED_MAX = 2**63 - 1
+"""The largest seed (`torch.Generator.manual_seed` takes 0 to 2**63-1)."""
 
 _DTYPES = {None: None, "float32": torch.float32, "float64": torch.float64}
 
@@ -69,13 +80,14 @@ class MeasureSettings:
     n_iter : int
         Auto-PGD iterations (the samples of an average-case measure).
     seed : int
-        The seed of every measurement.
+        The seed of every measurement, 0 to
+        [`SEED_MAX`][quotient_manifolds.experiments.population.runner.SEED_MAX] (2**63-1).
 
     Raises
     ------
     PopulationInputError
         A measure that is not in the table or is named twice, a radius that is not a positive
-        number, or `n_iter < 1`.
+        number, `n_iter` that is not an integer from 1, or a seed outside 0 to 2**63-1.
     """
 
     measures: tuple[str, ...] = DEFAULT_MEASURES
@@ -97,8 +109,17 @@ class MeasureSettings:
         rho = self.rho
         if not (isinstance(rho, (int, float)) and rho > 0 and math.isfinite(rho)):
             raise PopulationInputError(f"rho={rho} must be a positive number, e.g. rho=0.1")
-        if self.n_iter < 1:
-            raise PopulationInputError(f"n_iter={self.n_iter} must be at least 1")
+        if not _is_int(self.n_iter) or self.n_iter < 1:
+            raise PopulationInputError(
+                f"n_iter={self.n_iter!r} must be at least 1 (an integer, e.g. n_iter=20)")
+        if not _is_int(self.seed) or not 0 <= self.seed <= SEED_MAX:
+            raise PopulationInputError(
+                f"seed={self.seed!r} must be an integer from 0 to 2**63-1 = {SEED_MAX}, "
+                "e.g. seed=0")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -241,7 +262,7 @@ class _Run:
         self.checkpoints, self.settings, self.model_spec = list(checkpoints), settings, model
         self.hf = model is None
         self.paths, self.archs = self._checked_checkpoints()
-        self.out = _checked_out(Path(out))
+        self.out = check_out_file(out)  # before any work: no measurement is lost to it
         self.rank, self.world = distributed_rank()
         self.device = rank_device(device, self.world)
         self.model_fn = load_factory(model, "model") if model else None
@@ -251,7 +272,7 @@ class _Run:
         self.dtype = _DTYPES[dtype]
         self.base: dict[str, Any] = dict(
             rho=float(settings.rho), n_iter=int(settings.n_iter), seed=int(settings.seed),
-            kind="worst", model=model or "hf", data=self.data_spec, loss=loss or "default",
+            model=model or "hf", data=self.data_spec, loss=loss or "default",
             dtype=dtype or "model")
         self.fixed: list | None = None
         if isinstance(data, BatchFile):
@@ -291,7 +312,9 @@ class _Run:
                              stem=p.name if p.is_dir() else p.stem, sha256=checkpoint_sha256(p))
                 if self.hf:
                     ident["architecture"] = self.archs[i]
-            rec = {**ident, "measure": measures[j], **self.base}
+            # the measure's own kind: worst case (Auto-PGD) or average case (Gaussian samples)
+            rec = {**ident, "measure": measures[j], "kind": MEASURES[measures[j]].kind,
+                   **self.base}
             rec["key"] = _key(rec)
             if rec["key"] in results.keys:
                 n_skip += 1
@@ -373,15 +396,6 @@ class _Run:
             if self.world > 1:
                 rec.update(rank=self.rank, world_size=self.world)
             yield rec
-
-
-def _checked_out(out: Path) -> Path:
-    if out.exists() and out.is_dir():
-        raise PopulationInputError(f"out={out} is a folder; pass a file name, e.g. "
-                                   f"{out / 'results.jsonl'}")
-    if not out.parent.exists():
-        raise PopulationInputError(f"out={out}: folder {out.parent} does not exist; create it")
-    return out
 
 
 def _moved(batch: Any, device: str | torch.device | None, dtype: torch.dtype | None) -> Any:
