@@ -3,6 +3,9 @@ tolerance of the ellipsoid projection (small radii)."""
 
 from __future__ import annotations
 
+import math
+
+import geoopt
 import numpy as np
 import pytest
 import torch
@@ -12,10 +15,11 @@ from torch import nn
 import quotient_manifolds as qm
 from quotient_manifolds.errors import (
     ArgumentTypeError,
+    InfeasibleSolutionError,
     InvalidArgumentError,
 )
 from quotient_manifolds.models.config import QuotientConfig, check_choice
-from quotient_manifolds.sharpness import Geometry
+from quotient_manifolds.sharpness import APGD, Average, Geometry, GeooptSolver
 
 NAN, INF = float("nan"), float("inf")
 FEAS = 1 + 1e-6  # a maximiser's norm may exceed ρ by rounding only
@@ -82,3 +86,116 @@ def test_nan_eps_is_refused_before_any_computation():
     with pytest.raises(InvalidArgumentError, match="adaptive_eps"):
         qm.adaptive_sharpness(model, loss, data, rho=0.1,
                               geometry=Geometry(metric=None, adaptive_eps=INF))
+
+
+# -- 3. the solvers' numeric arguments ---------------------------------------------------
+_INT_BAD_VALUE = (NAN, INF, 2.5, 3.0, 0, -1)
+_INT_BAD_TYPE = (True, False, "5", None, [3])
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda v: APGD(n_iter=v), "n_iter"),
+    (lambda v: Average(n=v), "n"),
+    (lambda v: GeooptSolver(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.1), n_iter=v),
+     "n_iter"),
+    (lambda v: APGD().with_iterations(v), "n_iter"),
+    (lambda v: Average().with_iterations(v), "n"),
+])
+def test_counts_must_be_positive_integers(make, name):
+    for bad in _INT_BAD_VALUE:
+        with pytest.raises(InvalidArgumentError, match=rf"{name} must be an integer ≥ 1"):
+            make(bad)
+    for bad in _INT_BAD_TYPE:
+        with pytest.raises(ArgumentTypeError, match=name):
+            make(bad)
+    assert make(np.int64(4)) is not None
+
+
+def test_restarts_and_seeds():
+    for bad in (-1, 1.5, NAN):
+        with pytest.raises(InvalidArgumentError, match="restarts"):
+            APGD(restarts=bad)
+    for cls in (APGD, Average):
+        for bad in (2**70, 2**63, -1, 1.5, NAN):
+            with pytest.raises(InvalidArgumentError, match=r"seed must be an integer in \[0, 2"):
+                cls(seed=bad)
+        for bad in ("1", True, b"1"):
+            with pytest.raises(ArgumentTypeError, match="seed"):
+                cls(seed=bad)
+        assert cls(seed=2**63 - 1).seed == 2**63 - 1
+        s = cls(seed=np.uint32(7)).seed
+        assert s == 7 and type(s) is int
+    with pytest.raises(ArgumentTypeError, match="progress"):
+        APGD(progress="yes")
+    with pytest.raises(ArgumentTypeError, match="active_set"):
+        APGD(active_set=None)
+
+
+def test_step_mult_and_momentum():
+    for bad in (0, -1.0, NAN, INF):
+        with pytest.raises(InvalidArgumentError, match="step_mult must be a finite number > 0"):
+            APGD(step_mult=bad)
+    for bad in (NAN, INF, -0.1, 1.5):
+        with pytest.raises(InvalidArgumentError,
+                           match="momentum must be a finite number ≥ 0 and ≤ 1"):
+            APGD(momentum=bad)
+    with pytest.raises(ArgumentTypeError, match="momentum"):
+        APGD(momentum="0.75")
+    with pytest.raises(InvalidArgumentError, match="momentum_form"):
+        APGD(momentum_form="nesterov")
+    a = APGD(momentum=np.float64(0.5), step_mult=2)
+    assert (a.momentum, a.step_mult) == (0.5, 2.0)
+    # the function itself checks too
+    ball = qm.sharpness.feasible.Box(
+        qm.manifolds.product.ProductTangentSpace([qm.AdaptiveEuclidean().at(torch.ones(3))]),
+        0.1, torch.ones(3))
+
+    def objective(xi):
+        return xi.sum(), torch.ones_like(xi)
+
+    for kw in (dict(step_mult=0.0), dict(momentum=NAN), dict(n_iter=NAN)):
+        with pytest.raises(InvalidArgumentError, match=next(iter(kw))):
+            qm.sharpness.apgd(objective, ball, 0.0, **kw)
+
+
+def test_n_iter_of_the_drivers_reaches_the_check():
+    model, data, loss = _mlp()
+    for bad in (NAN, 0, 2.5):
+        with pytest.raises(InvalidArgumentError, match="n_iter"):
+            qm.geodesic_sharpness(model, loss, data, rho=0.1, n_iter=bad,
+                              geometry=Geometry(blocks=()))
+        with pytest.raises(InvalidArgumentError, match="n"):
+            qm.adaptive_sharpness(model, loss, data, rho=0.1, n_iter=bad,
+                                  solver=Average(seed=0))
+    with pytest.raises(InvalidArgumentError, match="step_mult"):
+        qm.adaptive_sharpness(model, loss, data, rho=0.1, solver=APGD(step_mult=0))
+
+
+# -- 4. GeooptSolver: what the factory returns, and feasibility ---------------------------
+def test_factory_must_be_callable_and_return_an_optimizer():
+    with pytest.raises(ArgumentTypeError, match="factory must be a callable"):
+        GeooptSolver(None)  # type: ignore[arg-type]
+    model, data, loss = _mlp()
+
+    def returns_none(ps):
+        return None
+
+    for factory, got in ((returns_none, "None"), (lambda ps: ps, r"\[Parameter")):
+        with pytest.raises(ArgumentTypeError,
+                           match=rf"factory .* returned {got}.*not a torch.optim.Optimizer"):
+            qm.adaptive_sharpness(model, loss, data, rho=0.1,
+                                  solver=GeooptSolver(factory, n_iter=2))
+
+
+@pytest.mark.parametrize("norm", ["l2", "linf"])
+def test_plain_torch_optimizer_leaving_the_ball_is_refused(norm):
+    model, data, loss = _mlp()
+    plain = GeooptSolver(lambda ps: torch.optim.SGD(ps, lr=0.5), n_iter=5)
+    with pytest.raises(InfeasibleSolutionError, match="geoopt Riemannian optimizer"):
+        qm.adaptive_sharpness(model, loss, data, rho=0.01, norm=norm, solver=plain)
+    with pytest.raises(InfeasibleSolutionError, match="SGD"):
+        qm.geodesic_sharpness(model, loss, data, rho=0.01, solver=plain,
+                              geometry=Geometry(blocks=()))
+    riem = GeooptSolver(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.5), n_iter=5)
+    r = qm.adaptive_sharpness(model, loss, data, rho=0.01, norm=norm, solver=riem)
+    assert math.isfinite(r.value) and r.perturbation_norm[0] <= 0.01 * FEAS
