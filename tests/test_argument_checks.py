@@ -9,7 +9,7 @@ import geoopt
 import numpy as np
 import pytest
 import torch
-from model_zoo import ce_loss
+from model_zoo import MHANet, ce_loss
 from torch import nn
 
 import quotient_manifolds as qm
@@ -199,3 +199,19 @@ def test_plain_torch_optimizer_leaving_the_ball_is_refused(norm):
     riem = GeooptSolver(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.5), n_iter=5)
     r = qm.adaptive_sharpness(model, loss, data, rho=0.01, norm=norm, solver=riem)
     assert math.isfinite(r.value) and r.perturbation_norm[0] <= 0.01 * FEAS
+
+
+# -- 5. reparametrize --------------------------------------------------------------------
+def test_reparametrize_scale_and_generator():
+    model = MHANet()
+    for bad in (0, 0.0, -1.0, NAN, INF):
+        with pytest.raises(InvalidArgumentError, match="a must be a finite number > 0"):
+            qm.reparametrize(model, a=bad)
+    with pytest.raises(ArgumentTypeError, match="a must be"):
+        qm.reparametrize(model, a="2")
+    with pytest.raises(ArgumentTypeError, match="generator"):
+        qm.reparametrize(model, a=2.0, generator=0)
+    with pytest.raises(InvalidArgumentError, match="symmetry"):
+        qm.reparametrize(model, symmetry="none")
+    moved = qm.reparametrize(model, a=np.float64(2.0), generator=torch.Generator().manual_seed(0))
+    assert all(bool(torch.isfinite(p).all()) for p in moved.parameters())
