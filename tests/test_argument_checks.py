@@ -20,6 +20,8 @@ from quotient_manifolds.errors import (
 )
 from quotient_manifolds.models.config import QuotientConfig, check_choice
 from quotient_manifolds.sharpness import APGD, Average, Geometry, GeooptSolver
+from quotient_manifolds.sharpness.feasible import _ellipsoid_projection
+from quotient_manifolds.sharpness.solvers import FeasibleSetManifold
 
 NAN, INF = float("nan"), float("inf")
 FEAS = 1 + 1e-6  # a maximiser's norm may exceed ρ by rounding only
@@ -215,3 +217,61 @@ def test_reparametrize_scale_and_generator():
         qm.reparametrize(model, symmetry="none")
     moved = qm.reparametrize(model, a=np.float64(2.0), generator=torch.Generator().manual_seed(0))
     assert all(bool(torch.isfinite(p).all()) for p in moved.parameters())
+
+
+# -- 6. the ellipsoid projection at small radii --------------------------------------------
+def _fine_projection(y: torch.Tensor, c: torch.Tensor, rho: float) -> torch.Tensor:
+    """The Euclidean projection onto ‖δ ⊘ c‖ ≤ ρ by a long float64 bisection on λ, from a
+    bracket that surely contains it."""
+    y, c = y.double(), c.double()
+
+    def n(lam):
+        return float(torch.linalg.vector_norm(y / (1 + 2 * lam / c**2) / c))
+
+    if n(0.0) <= rho:
+        return y
+    lo, hi = 0.0, float(n(0.0) / rho * c.max() ** 2)
+    for _ in range(400):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if n(mid) > rho else (lo, mid)
+    return y / (1 + 2 * hi / c**2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rho", [1e-6, 1e-4, 1e-2, 0.3])
+def test_ellipsoid_projection_is_accurate_at_every_radius(rho, dtype):
+    g = torch.Generator().manual_seed(0)
+    c = (torch.rand(3, 40, generator=g) + 0.1).to(dtype)
+    y = (torch.randn(3, 40, generator=g) * torch.tensor([[1e-3], [1.0], [10.0]])).to(dtype)
+    p = _ellipsoid_projection(y, c, rho)
+    for k in range(3):
+        n = float(torch.linalg.vector_norm(p[k].double() / c[k].double()))
+        if float(torch.linalg.vector_norm(y[k].double() / c[k].double())) <= rho:
+            assert torch.equal(p[k], y[k])  # inside: unchanged
+            continue
+        top = FEAS if dtype == torch.float64 else 1 + 1e-5  # float32: the norm recomputed
+        assert rho * (1 - 1e-4) <= n <= rho * top  # on the boundary (was anywhere below 1e-5)
+        ref = _fine_projection(y[k], c[k], rho)
+        assert float((p[k].double() - ref).norm() / ref.norm()) < 1e-4
+
+
+def test_adaptive_sharpness_reaches_the_boundary_at_small_radii():
+    """At ρ = 1e-6 the absolute bisection tolerance 1e-5 stopped inside the ellipsoid and
+    halved the value; in the linear regime value/ρ is constant."""
+    model, data, loss = _mlp()
+    per_rho = {}
+    for rho in (1e-6, 1e-4, 1e-2):
+        r = qm.adaptive_sharpness(model, loss, data, rho=rho, n_iter=20)
+        assert 0.99 * rho <= r.perturbation_norm[0] <= rho * FEAS, rho
+        per_rho[rho] = r.value / rho
+    assert per_rho[1e-6] == pytest.approx(per_rho[1e-4], rel=1e-3)
+    assert per_rho[1e-6] == pytest.approx(per_rho[1e-2], rel=2e-2)
+
+
+def test_feasible_set_manifold_tolerance_is_relative_to_the_radius():
+    space = qm.manifolds.product.ProductTangentSpace([qm.AdaptiveEuclidean().at(torch.ones(3))])
+    rho = 1e-6
+    M = FeasibleSetManifold(qm.sharpness.feasible.MetricBall(space, rho))
+    inside = torch.tensor([rho, 0.0, 0.0])
+    assert M.check_point_on_manifold(inside)
+    assert not M.check_point_on_manifold(5 * inside)  # was accepted: absolute atol 1e-5

@@ -401,9 +401,10 @@ class FeasibleSetManifold(geoopt.manifolds.Manifold):
         return True, None
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        # both tolerances relative to the radius: an absolute atol would accept 11ρ at ρ = 1e-6
         f = self._flat(x)
         nrm = float(self.feasible.norm(f).max())
-        if nrm > self.radius * (1 + rtol) + atol:
+        if nrm > self.radius * (1 + rtol + atol):
             return False, f"‖ξ‖ = {nrm:.6g} exceeds the radius {self.radius:g}"
         return self._check_vector_on_tangent(x, x, atol=atol, rtol=rtol)
 
