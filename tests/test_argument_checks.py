@@ -9,6 +9,8 @@ import geoopt
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from model_zoo import MHANet, ce_loss
 from torch import nn
 
@@ -17,6 +19,7 @@ from quotient_manifolds.errors import (
     ArgumentTypeError,
     InfeasibleSolutionError,
     InvalidArgumentError,
+    QuotientManifoldError,
 )
 from quotient_manifolds.models.config import QuotientConfig, check_choice
 from quotient_manifolds.sharpness import APGD, Average, Geometry, GeooptSolver
@@ -275,3 +278,75 @@ def test_feasible_set_manifold_tolerance_is_relative_to_the_radius():
     inside = torch.tensor([rho, 0.0, 0.0])
     assert M.check_point_on_manifold(inside)
     assert not M.check_point_on_manifold(5 * inside)  # was accepted: absolute atol 1e-5
+
+
+# -- hypothesis: any value is accepted or refused with a library error ---------------------
+_values = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0, 0.0, -0.0, 1, 2, 0.5, 1e-300, 1e300, NAN, INF, -INF, 2**63, 2**70]),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(min_value=0, max_value=6),
+    st.text(max_size=3),
+    st.none(),
+    st.booleans(),
+)
+_FIELDS = {
+    "apgd": ("n_iter", "momentum", "step_mult", "restarts", "seed", "progress", "active_set"),
+    "average": ("n", "seed", "progress"),
+    "geoopt": ("n_iter", "progress"),
+    "geometry": ("eps", "adaptive_eps", "exact_steps"),
+}
+
+
+def _build(kind: str, name: str, value: object):
+    if kind == "apgd":
+        return APGD(**{name: value})
+    if kind == "average":
+        return Average(**{name: value})
+    if kind == "geoopt":
+        return GeooptSolver(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.1), **{name: value})
+    return Geometry(**{name: value})
+
+
+@settings(max_examples=150, deadline=None)
+@given(field=st.sampled_from([(k, n) for k, ns in _FIELDS.items() for n in ns]),
+       value=_values)
+def test_constructors_accept_or_raise_a_library_error(field, value):
+    kind, name = field
+    try:
+        obj = _build(kind, name, value)
+    except QuotientManifoldError as e:
+        assert name in str(e) and isinstance(e, (InvalidArgumentError, ArgumentTypeError))
+        return
+    stored = getattr(obj, name)
+    assert type(stored) in (int, float, bool, type(None))  # normalised to plain Python types
+
+
+_GEO_BASE = {"eps": 1e-3, "adaptive_eps": 1e-3}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(["momentum", "step_mult", "n_iter", "restarts", "seed", "eps",
+                              "adaptive_eps", "exact_steps"]),
+       value=_values, ball=st.sampled_from(["metric", "ellipsoid"]))
+def test_accepted_configurations_give_a_finite_feasible_value(field, value, ball):
+    torch.set_num_threads(1)
+    model, data, loss = _mlp()
+    solver_kw: dict = {"n_iter": 3}
+    geo_kw: dict = {"retraction": "exact", "adaptive_retraction": "exact", "blocks": (),
+                    **_GEO_BASE}
+    target = geo_kw if field in ("eps", "adaptive_eps", "exact_steps") else solver_kw
+    target[field] = value
+    try:
+        solver = APGD(**solver_kw)
+        geo = Geometry(**geo_kw)
+    except QuotientManifoldError:
+        return
+    if solver.n_iter > 6 or solver.restarts > 2 or geo.exact_steps > 16:
+        return  # accepted, but too long to run here
+    if ball == "ellipsoid":
+        r = qm.adaptive_sharpness(model, loss, data, rho=1e-3, geometry=geo, solver=solver)
+    else:
+        r = qm.geodesic_sharpness(model, loss, data, rho=1e-3, geometry=geo, solver=solver)
+    assert math.isfinite(r.value)
+    assert r.perturbation_norm[0] <= 1e-3 * FEAS
