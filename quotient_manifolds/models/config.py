@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._args import check_int, check_real
+from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..manifolds import RETRACTIONS
 from .records import SYMMETRIES, Symmetries
 
@@ -25,9 +27,15 @@ HALF = ("error", "float32")
 
 
 def check_choice(name: str, value: object, allowed: tuple) -> None:
-    """Raise `ValueError` unless `value` is one of `allowed`."""
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    """Raise [`InvalidArgumentError`][quotient_manifolds.errors.InvalidArgumentError] (a
+    `ValueError`) unless `value` is one of `allowed`."""
+    try:
+        ok = any(value is a or (isinstance(value, type(a)) and value == a) for a in allowed)
+    except (TypeError, ValueError, RuntimeError):  # e.g. a tensor, whose == is elementwise
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(f"{name} must be one of {allowed}, got {value!r}; pass one "
+                                   f"of those, e.g. {name}={allowed[0]!r}")
 
 
 @dataclass(frozen=True)
@@ -51,14 +59,15 @@ class QuotientConfig:
         How GL blocks are perturbed: Eq. 5 (the paper), the geodesic by RK4, or $w + \xi$
         (App. G ablation (b)).
     eps : float
-        Gram relaxation $G^\top G + \varepsilon I$ of the GL blocks; 0 requires full column rank.
+        Gram relaxation $G^\top G + \varepsilon I$ of the GL blocks, a finite number ≥ 0; 0
+        requires full column rank.
     adaptive_eps : float
-        $\varepsilon$ of the adaptive metric of every other weight; with 0, zero weights cannot
-        move and are excluded.
+        $\varepsilon$ of the adaptive metric of every other weight, a finite number ≥ 0; with
+        0, zero weights cannot move and are excluded.
     adaptive_retraction : {"first_order", "second_order", "exact"}
         How the other weights are perturbed ($w + \xi$ in the paper).
     exact_steps : int
-        RK4 steps of `retraction="exact"`.
+        RK4 steps of `retraction="exact"`, an integer ≥ 1 (not a float, not a bool).
     blocks : tuple of BlockSpec, optional
         Use exactly these GL blocks instead of discovering them (`()`: none).
     declared : tuple of BlockSpec
@@ -93,20 +102,19 @@ class QuotientConfig:
         check_choice("retraction", self.retraction, RETRACTIONS)
         check_choice("adaptive_retraction", self.adaptive_retraction, RETRACTIONS)
         check_choice("half", self.half, HALF)
-        if self.eps < 0 or self.adaptive_eps < 0:
-            raise ValueError("eps and adaptive_eps must be non-negative, got "
-                             f"{self.eps} and {self.adaptive_eps}")
-        if int(self.exact_steps) < 1:
-            raise ValueError(f"exact_steps must be a positive integer, got {self.exact_steps}")
-        object.__setattr__(self, "eps", float(self.eps))
-        object.__setattr__(self, "adaptive_eps", float(self.adaptive_eps))
-        object.__setattr__(self, "exact_steps", int(self.exact_steps))
+        # finite, in range, of a numeric type; stored as plain float / int
+        object.__setattr__(self, "eps", check_real("eps", self.eps, minimum=0.0, example=1e-6))
+        object.__setattr__(self, "adaptive_eps", check_real("adaptive_eps", self.adaptive_eps,
+                                                            minimum=0.0, example=1e-6))
+        object.__setattr__(self, "exact_steps", check_int("exact_steps", self.exact_steps,
+                                                          example=8))
         sym = self.symmetries
         if sym is not None:
             if not isinstance(sym, Symmetries):
-                raise TypeError(f"symmetries must be a Symmetries (from discover), got {sym!r}")
+                raise ArgumentTypeError(
+                    f"symmetries must be a Symmetries (from discover), got {sym!r}")
             if self.metric is not None and sym.symmetry != self.symmetry:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"the symmetries were discovered with symmetry={sym.symmetry!r} but the "
                     f"geometry has symmetry={self.symmetry!r}; discover them with "
                     f"symmetry={self.symmetry!r}")

@@ -26,7 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._args import check_real
+from ..errors import ArgumentTypeError
 from .blocks import BlockSpec
+from .config import check_choice
 from .discovery import discover, find_folds
 from .families import ValueBiasFold
 from .prober import Candidate
@@ -81,6 +84,15 @@ def _with_fold_rows(
     return out
 
 
+def _check_scale(a: object, generator: object) -> float:
+    """`a` as a float if it is a finite number > 0 (the scale of the group element), and
+    `generator` None or a `torch.Generator`."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ArgumentTypeError(f"generator must be None or a torch.Generator, got {generator!r}"
+                                "; pass e.g. generator=torch.Generator().manual_seed(0)")
+    return check_real("a", a, minimum=0.0, open_min=True, example=1.0)
+
+
 def transform_params(
     params: dict[str, torch.Tensor],
     blocks: Sequence[BlockSpec],
@@ -91,11 +103,14 @@ def transform_params(
 ) -> dict[str, torch.Tensor]:
     r"""`params` moved by a random element of the group of `blocks` and `folds` (out of place).
 
-    First every block by its GL (or subgroup) element
+    `a` and `generator` are as in
+    [`reparametrize`][quotient_manifolds.models.reparam.reparametrize]. First every block by
+    its GL (or subgroup) element
     ([`BlockSpec.act`][quotient_manifolds.models.blocks.BlockSpec.act]), then every fold by its
     own random element; the algebra runs in float64.  This is the parameter-level core of
     [`reparametrize`][quotient_manifolds.models.reparam.reparametrize].
     """
+    a = _check_scale(a, generator)
     cur = {n: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
            for n, t in params.items()}
     candidates: list[Candidate] = [*_with_fold_rows(blocks, folds, cur), *folds]
@@ -126,7 +141,8 @@ def reparametrize(
     model : nn.Module
         Not modified.
     a : float
-        Scale of the group element: $A = a\,\tilde G$ per GL head (the paper sweeps
+        Scale of the group element, a finite number > 0 (0 is not a group element):
+        $A = a\,\tilde G$ per GL head (the paper sweeps
         $a ∈ [10^{-2}, 10^{2}]$), norm-gain factors $c = a\,s\,e^{z}$ ($z \sim N(0, 1)$, random
         sign $s$), translations $t \sim N(0, a^2 I)$, subgroup elements $a \exp(X)$ with
         $\|X\|_2 = 1$.
@@ -161,8 +177,8 @@ def reparametrize(
     moved = qm.reparametrize(model, a=10.0, generator=torch.Generator().manual_seed(0))
     ```
     """
-    if symmetry not in SYMMETRIES:
-        raise ValueError(f"symmetry must be one of {SYMMETRIES}, got {symmetry!r}")
+    check_choice("symmetry", symmetry, SYMMETRIES)
+    _check_scale(a, generator)  # before discovery, which can take long
     loss = None if loss_fn is None or batch is None else (loss_fn, batch)
     bl, folds = _symmetries(model, symmetry, blocks, declared, example_inputs, loss)
     new = copy.deepcopy(model)

@@ -25,9 +25,15 @@ from typing import Protocol
 
 import torch
 
+from .._args import check_int, check_real
+from ..models.config import check_choice
 from .feasible import FeasibleSet
 
-__all__ = ["checkpoints", "APGDResult", "apgd", "Objective", "Layout", "select_rows"]
+__all__ = ["MOMENTUM_FORMS", "checkpoints", "APGDResult", "apgd", "Objective", "Layout",
+           "select_rows"]
+
+MOMENTUM_FORMS = ("reference", "apgd")
+"""The momentum forms of `apgd`: the reference code's and Croce & Hein's."""
 
 Objective = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 """`objective(xi) -> (loss, grad)`: the loss `(*problems)` at the perturbation `xi`
@@ -140,13 +146,13 @@ def apgd(
     base_loss : Tensor or float
         Loss at $\xi = 0$, per problem; the best loss starts there (Alg. 1 line 5).
     n_iter : int
-        Gradient evaluations.
+        Gradient evaluations, an integer ≥ 1.
     init : Tensor, optional
         Initial perturbation (default zero), projected onto the set.
     step_mult : float
-        The initial step is $\eta = 2\rho \cdot$ `step_mult`.
+        The initial step is $\eta = 2\rho \cdot$ `step_mult`, a finite number > 0.
     momentum : float
-        $\alpha$.
+        $\alpha$, a finite number in $[0, 1]$.
     momentum_form : {"reference", "apgd"}
         $\xi + \alpha(z - \xi)$ (reference code) or Croce & Hein's
         $P_S(\xi + \alpha(z - \xi) + (1 - \alpha)(\xi - \xi_{prev}))$ (Alg. 1 line 15).
@@ -157,10 +163,10 @@ def apgd(
         itself): after a call that changed it, the iterates are converted to the new packing
         and the set is `layout.feasible`. The result's `best_xi` is in the last packing.
     """
-    if momentum_form not in ("reference", "apgd"):
-        raise ValueError(f"momentum_form must be 'reference' or 'apgd', got {momentum_form!r}")
-    if int(n_iter) < 1:
-        raise ValueError(f"n_iter must be a positive integer, got {n_iter}")
+    check_choice("momentum_form", momentum_form, MOMENTUM_FORMS)
+    n_iter = check_int("n_iter", n_iter, example=20)
+    momentum = check_real("momentum", momentum, minimum=0.0, maximum=1.0, example=0.75)
+    step_mult = check_real("step_mult", step_mult, minimum=0.0, open_min=True, example=1.0)
     W = set(checkpoints(n_iter))
     zero = feasible.zeros()
     problems = feasible.problems

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from ..models.config import QuotientConfig, check_choice
 from .feasible import BALLS
 
@@ -42,7 +43,7 @@ class Geometry(QuotientConfig):
         super().__post_init__()
         check_choice("ball", self.ball, BALLS)
         if self.ball in ("ellipsoid", "box") and self.metric is not None:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"ball={self.ball!r} is the reference adaptive-sharpness algorithm, which has no "
                 "horizontal constraint; use it with metric=None, or use ball='metric' or "
                 "'adaptive' with GL blocks"

@@ -417,8 +417,11 @@ class Ellipsoid(_Elementwise):
     Direction $c \odot \nabla L / \|\nabla L\|_2$ (the gradient normalised by its global ℓ2
     norm, then scaled by $c$), projection: the Euclidean projection onto the ellipsoid,
     $\delta(\lambda) = y / (1 + 2\lambda/c^2)$ with $\lambda$ found by bisection (start 0.1,
-    upper bound 10, doubled while infeasible) until $|\|\delta \oslash c\| - \rho| < 10^{-5}$;
-    samples $\rho\, c \odot N(0, I)$.
+    upper bound 10, doubled while infeasible) until $|\|\delta \oslash c\| - \rho| <
+    10^{-5}\rho$, then shrunk radially onto the ellipsoid if just outside; samples
+    $\rho\, c \odot N(0, I)$. The tolerance `tol` is relative to $\rho$ (the reference
+    code's $10^{-5}$ is absolute, which at $\rho \le 10^{-5}$ stops the bisection anywhere
+    inside the ellipsoid).
 
     The fixed points of this step and projection satisfy $\nabla L \parallel \delta / c^3$,
     not the KKT condition $\nabla L \parallel \delta / c^2$ of the ellipsoid: the reference
@@ -428,6 +431,8 @@ class Ellipsoid(_Elementwise):
 
     name = "ellipsoid"
     tol = 1e-5
+    r"""Relative tolerance of the bisection: it stops at $|\|\delta \oslash c\| - \rho| <
+    \mathrm{tol}\,\rho$."""
     max_iter = 200
 
     def norm(self, xi: torch.Tensor) -> torch.Tensor:
@@ -486,11 +491,12 @@ class Box(_Elementwise):
 def _ellipsoid_projection(y: torch.Tensor, c: torch.Tensor, rho: float, tol: float = 1e-5,
                           max_iter: int = 200) -> torch.Tensor:
     r"""Euclidean projection onto $\{\delta : \|\delta \oslash c\|_2 \le \rho\}$ by bisection,
-    per problem (leading dimensions); the reference code's tolerances (see `Ellipsoid`).
+    per problem (leading dimensions), to the relative tolerance `tol` (see `Ellipsoid`).
 
     $\delta(\lambda) = y / (1 + \lambda b)$ with $b = 2/c^2$; the bisection evaluates
     $\|a / (1 + \lambda b)\|$, $a = y/c$, in a reused buffer. Entries with $c = 0$ are frozen
-    ($y = 0$ there).
+    ($y = 0$ there). The upper bound of $\lambda$ is doubled at most up to
+    $2(\|a\|/\rho)/\min b + 10$, where the point is surely inside (no absolute cap).
     """
     live = c > 0
     a = torch.where(live, y / torch.where(live, c, 1.0), 0.0)
@@ -507,13 +513,17 @@ def _ellipsoid_projection(y: torch.Tensor, c: torch.Tensor, rho: float, tol: flo
         return torch.linalg.vector_norm(torch.div(a, buf, out=buf), dim=-1).to(dt)
 
     zero = torch.zeros(lead, dtype=dt, device=y.device)
-    inside = wnorm(zero) <= rho
+    v0 = wnorm(zero)
+    inside = v0 <= rho
     if bool(inside.all()):
         return y
+    # at λ ≥ (‖a‖/ρ)/min b every ‖a / (1 + λb)‖ ≤ ρ: the most the upper bound needs to grow
+    bmin = torch.where(live, b, torch.inf).amin(-1).to(dt)
+    cap = 2 * (v0 / rho) / bmin + 10.0
     lo = zero.clone()
     hi = torch.full(lead, 10.0, dtype=dt, device=y.device)
     while True:
-        grow = (wnorm(hi) > rho) & (hi < 1e30)
+        grow = (wnorm(hi) > rho) & (hi < cap)
         if not bool(grow.any()):
             break
         hi = torch.where(grow, hi * 2, hi)
@@ -521,15 +531,18 @@ def _ellipsoid_projection(y: torch.Tensor, c: torch.Tensor, rho: float, tol: flo
     done = inside.clone()
     for _ in range(max_iter):
         v = wnorm(lam)
-        done = done | ((v - rho).abs() < tol)
+        done = done | ((v - rho).abs() < tol * rho)  # relative: ρ may be below tol
         if bool(done.all()):
             break
         lo = torch.where(~done & (v > rho), lam, lo)
         hi = torch.where(~done & (v <= rho), lam, hi)
         lam = torch.where(done, lam, 0.5 * (lo + hi))
-    lam = torch.where(wnorm(lam) > rho, hi, lam)  # land inside when done from outside
-    lam = torch.where(inside, 0.0, lam).to(y.dtype).unsqueeze(-1)
-    return y / (1 + lam * b)
+    lam = torch.where(inside, 0.0, lam)
+    # done from outside (‖δ ⊘ c‖ ≤ ρ(1 + tol)): shrink onto the boundary radially, not back
+    # to `hi`, which may lie far inside
+    v = wnorm(lam)
+    shrink = torch.where(v > rho, rho / v, 1.0).to(y.dtype).unsqueeze(-1)
+    return y / (1 + lam.to(y.dtype).unsqueeze(-1) * b) * shrink
 
 
 def make_feasible(ball: str, space: ProductTangentSpace, rho: float, *,

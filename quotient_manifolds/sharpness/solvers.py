@@ -31,8 +31,11 @@ from typing import ClassVar, Protocol, runtime_checkable
 import geoopt
 import torch
 
+from .._args import check_callable, check_flag, check_int, check_real, check_seed, short_repr
+from ..errors import ArgumentTypeError, InfeasibleSolutionError
 from ..manifolds.base import Generator
-from .apgd import APGDResult, Layout, Objective, apgd, select_rows
+from ..models.config import check_choice
+from .apgd import MOMENTUM_FORMS, APGDResult, Layout, Objective, apgd, select_rows
 from .checks import check_rho
 from .feasible import FeasibleSet
 
@@ -88,11 +91,9 @@ class Solver(Protocol):
     def with_iterations(self, n: int) -> Solver: ...
 
 
-def _positive(name: str, n, minimum: int = 1) -> int:
-    if int(n) < minimum or int(n) != n:
-        kind = "a positive" if minimum == 1 else "a non-negative"
-        raise ValueError(f"{name} must be {kind} integer, got {n!r}")
-    return int(n)
+def _set(obj: object, name: str, value: object) -> None:
+    """Store a checked (normalised) value in a frozen dataclass."""
+    object.__setattr__(obj, name, value)
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,13 @@ class APGD:
     Attributes
     ----------
     n_iter : int
-        Iterations (= gradient evaluations) per batch.
+        Iterations (= gradient evaluations) per batch, an integer ≥ 1.
     momentum : float
-        $\alpha$ (0.75).
+        $\alpha$ (0.75), a finite number in $[0, 1]$.
     momentum_form : {"reference", "apgd"}
         The reference code's momentum or Croce & Hein's (Alg. 1 line 15).
     step_mult : float
-        The initial step is $2\rho \cdot$ `step_mult`.
+        The initial step is $2\rho \cdot$ `step_mult`, a finite number > 0.
     progress : bool
         A tqdm bar over the batches.
     active_set : bool
@@ -121,9 +122,14 @@ class APGD:
         Random restarts after the run from $\xi = 0$: each starts at the feasible set's
         `random_start` (a Gaussian draw of the average case at radius $\rho/2$, projected onto
         the set) and runs `n_iter` iterations; the best loss over all runs is kept, per problem.
-        0 (the reference settings): the zero start only.
+        0 (the reference settings): the zero start only. An integer ≥ 0.
     seed : int, optional
-        Seed of the random starts (a fresh random one if `None`); unused without restarts.
+        Seed of the random starts, an integer in $[0, 2^{63} - 1]$ (a fresh random one if
+        `None`); unused without restarts.
+
+    Integers are Python or numpy integers (not floats, not bools). A value outside its domain
+    raises [`InvalidArgumentError`][quotient_manifolds.errors.InvalidArgumentError], a value
+    of the wrong type [`ArgumentTypeError`][quotient_manifolds.errors.ArgumentTypeError].
     """
 
     n_iter: int = 20
@@ -137,8 +143,16 @@ class APGD:
     kind: ClassVar[str] = "worst"
 
     def __post_init__(self) -> None:
-        _positive("n_iter", self.n_iter)
-        _positive("restarts", self.restarts, minimum=0)
+        _set(self, "n_iter", check_int("n_iter", self.n_iter, example=20))
+        _set(self, "momentum", check_real("momentum", self.momentum, minimum=0.0, maximum=1.0,
+                                          example=0.75))
+        check_choice("momentum_form", self.momentum_form, MOMENTUM_FORMS)
+        _set(self, "step_mult", check_real("step_mult", self.step_mult, minimum=0.0,
+                                           open_min=True, example=1.0))
+        _set(self, "progress", check_flag("progress", self.progress))
+        _set(self, "active_set", check_flag("active_set", self.active_set))
+        _set(self, "restarts", check_int("restarts", self.restarts, minimum=0, example=3))
+        _set(self, "seed", check_seed("seed", self.seed))
 
     @property
     def random(self) -> bool:
@@ -146,7 +160,7 @@ class APGD:
         return self.restarts > 0
 
     def with_iterations(self, n: int) -> APGD:
-        """A copy with `n_iter = n`."""
+        """A copy with `n_iter = n` (checked like `n_iter`)."""
         return dataclasses.replace(self, n_iter=n)
 
     def settings(self) -> dict:
@@ -203,11 +217,14 @@ class Average:
     Attributes
     ----------
     n : int
-        Samples per batch.
+        Samples per batch, an integer ≥ 1.
     seed : int, optional
-        Seed of the samples (a fresh random one if `None`).
+        Seed of the samples, an integer in $[0, 2^{63} - 1]$ (a fresh random one if `None`).
     progress : bool
         A tqdm bar over the batches.
+
+    Bad values raise [`InvalidArgumentError`][quotient_manifolds.errors.InvalidArgumentError]
+    or [`ArgumentTypeError`][quotient_manifolds.errors.ArgumentTypeError], as for `APGD`.
     """
 
     n: int = 20
@@ -218,10 +235,12 @@ class Average:
     """`solve` draws random numbers (the samples)."""
 
     def __post_init__(self) -> None:
-        _positive("n", self.n)
+        _set(self, "n", check_int("n", self.n, example=20))
+        _set(self, "seed", check_seed("seed", self.seed))
+        _set(self, "progress", check_flag("progress", self.progress))
 
     def with_iterations(self, n: int) -> Average:
-        """A copy with `n` samples."""
+        """A copy with `n` samples (checked like `n`)."""
         return dataclasses.replace(self, n=n)
 
     def settings(self) -> dict:
@@ -256,12 +275,19 @@ class GeooptSolver:
     optimizer minimises $-L$, and its `retr` is the feasible set's projection. The best loss
     over the `n_iter + 1` evaluated points is returned.
 
+    Only a geoopt Riemannian optimizer (`geoopt.optim.RiemannianSGD`, `RiemannianAdam`, …)
+    calls `retr`; a plain `torch.optim` optimizer steps $\xi + \Delta$ and may leave the set.
+    `solve` checks the maximiser it returns and raises
+    [`InfeasibleSolutionError`][quotient_manifolds.errors.InfeasibleSolutionError] if its
+    norm exceeds $\rho$ (by more than rounding).
+
     Attributes
     ----------
     factory : callable
-        `factory(list of parameters) -> torch.optim.Optimizer`.
+        `factory(list of parameters) -> torch.optim.Optimizer`, called once per batch; anything
+        else returned raises [`ArgumentTypeError`][quotient_manifolds.errors.ArgumentTypeError].
     n_iter : int
-        Optimizer steps per batch.
+        Optimizer steps per batch, an integer ≥ 1.
     progress : bool
         A tqdm bar over the batches.
     """
@@ -274,9 +300,13 @@ class GeooptSolver:
     """`solve` draws no random numbers."""
 
     def __post_init__(self) -> None:
-        _positive("n_iter", self.n_iter)
+        check_callable("factory", self.factory, "factory(params) -> torch.optim.Optimizer, "
+                       "e.g. lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.05)")
+        _set(self, "n_iter", check_int("n_iter", self.n_iter, example=20))
+        _set(self, "progress", check_flag("progress", self.progress))
 
     def with_iterations(self, n: int) -> GeooptSolver:
+        """A copy with `n_iter = n` (checked like `n_iter`)."""
         return dataclasses.replace(self, n_iter=n)
 
     def settings(self) -> dict:
@@ -288,6 +318,12 @@ class GeooptSolver:
         """`(best loss, maximiser, loss evaluations)` of one batch (one problem only)."""
         p = geoopt.ManifoldParameter(feasible.zeros(), manifold=FeasibleSetManifold(feasible))
         opt = self.factory([p])
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ArgumentTypeError(
+                f"GeooptSolver's factory {short_repr(self.factory)} returned "
+                f"{short_repr(opt)} of type "
+                f"{type(opt).__name__}, not a torch.optim.Optimizer; return the optimizer, "
+                "e.g. factory=lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.05)")
         best, best_xi = float(base_loss), feasible.zeros()
         for k in range(self.n_iter + 1):
             opt.zero_grad()
@@ -299,7 +335,25 @@ class GeooptSolver:
                 break
             (-loss).backward()  # geoopt minimises
             opt.step()
+        _check_feasible(best_xi, feasible, opt)
         return torch.tensor(best, dtype=torch.float64), best_xi, self.n_iter + 1
+
+
+def _check_feasible(xi: torch.Tensor, feasible: FeasibleSet, opt: torch.optim.Optimizer
+                    ) -> None:
+    """Raise `InfeasibleSolutionError` unless `‖ξ‖ ≤ ρ (1 + rtol)` in the set's norm (`rtol`:
+    1e-6, or 64 units of rounding of `ξ`'s dtype if larger, for the recomputed norm)."""
+    rtol = max(1e-6, 64 * torch.finfo(xi.dtype).eps)
+    total = float(feasible.norms(xi)["total"].max())
+    if total <= feasible.rho * (1 + rtol):
+        return
+    raise InfeasibleSolutionError(
+        f"the maximiser of {type(opt).__name__} has norm {total:.6g} = "
+        f"{total / feasible.rho:.4g}ρ in the {feasible.name} set of radius ρ = "
+        f"{feasible.rho:g}: the optimizer left the feasible set, so its loss is not the "
+        "sharpness of the ball. A plain torch.optim optimizer ignores the manifold's `retr`; "
+        "use a geoopt Riemannian optimizer (geoopt.optim.RiemannianSGD, RiemannianAdam), "
+        "e.g. GeooptSolver(lambda ps: geoopt.optim.RiemannianSGD(ps, lr=0.05)), or APGD()")
 
 
 SOLVERS = (APGD, Average, GeooptSolver)
@@ -347,9 +401,10 @@ class FeasibleSetManifold(geoopt.manifolds.Manifold):
         return True, None
 
     def _check_point_on_manifold(self, x, *, atol=1e-5, rtol=1e-5):
+        # both tolerances relative to the radius: an absolute atol would accept 11ρ at ρ = 1e-6
         f = self._flat(x)
         nrm = float(self.feasible.norm(f).max())
-        if nrm > self.radius * (1 + rtol) + atol:
+        if nrm > self.radius * (1 + rtol + atol):
             return False, f"‖ξ‖ = {nrm:.6g} exceeds the radius {self.radius:g}"
         return self._check_vector_on_tangent(x, x, atol=atol, rtol=rtol)
 
