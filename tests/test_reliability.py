@@ -296,7 +296,7 @@ def test_a_shared_iterator_is_iterated_once_and_every_batch_measured():
 def test_plain_torch_optimizer_outside_the_ball_is_refused():
     model = _net()
     solver = qm.GeooptSolver(lambda ps: torch.optim.SGD(ps, lr=0.5), n_iter=5)
-    with kept(model), pytest.raises(qm.errors.InfeasibleSolutionError, match="outside"):
+    with kept(model), pytest.raises(qm.errors.InfeasibleSolutionError, match="feasible set"):
         _sharp(model, solver=solver)
 
 
@@ -425,7 +425,7 @@ _values = st.one_of(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rho=_values,
-       n_iter=st.one_of(st.integers(-3, 4), st.just(2**70), _values.filter(
+       n_iter=st.one_of(st.integers(-3, 4), _values.filter(
            lambda v: not isinstance(v, int) or isinstance(v, bool))),
        metric=st.sampled_from([None, "inv", "mix", "adaptive", 3]),
        shard=st.sampled_from([None, "none", "batches", 3, "rows"]),
