@@ -330,10 +330,8 @@ class ModelGeometry:
             sym = Symmetries(blocks=tuple(b.resolved(raw)
                                           for b in list(g.blocks) + list(g.declared)))
         elif symmetries is not None or g.symmetries is not None:
-            given = symmetries if symmetries is not None else g.symmetries
-            assert given is not None
-            given.check_model(model)
-            sym = given
+            sym = cast(Symmetries, symmetries if symmetries is not None else g.symmetries)
+            sym.check_model(model)
         else:
             inputs, loss = (example_inputs, None) if probed is None else probed
             sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn,
