@@ -35,7 +35,7 @@ from torch import nn
 
 from .errors import ModelStateError, ModelStateWarning
 
-__all__ = ["ModelSnapshot", "preserved", "RNGState"]
+__all__ = ["ModelSnapshot", "fingerprint", "preserved", "RNGState"]
 
 
 class RNGState:
@@ -65,7 +65,9 @@ def _numpy() -> Any:
     return sys.modules.get("numpy")
 
 
-def _fingerprint(t: torch.Tensor) -> tuple[float, float]:
+def fingerprint(t: torch.Tensor) -> tuple[float, float]:
+    """The float64 sums of $t$ and $t^2$ (of $|t|$ for complex $t$): what detects a write, and
+    what ranks compare to find out that they hold different tensors."""
     if t.is_meta or t.numel() == 0:
         return (0.0, 0.0)
     with torch.no_grad():
@@ -100,7 +102,7 @@ class ModelSnapshot:
                 first = id(p) not in seen
                 seen.add(id(p))
                 self.params.append((m, name, full, p, p.requires_grad, p._version,
-                                    _fingerprint(p) if first else (0.0, 0.0), p.grad))
+                                    fingerprint(p) if first else (0.0, 0.0), p.grad))
             for name, b in list(m._buffers.items()):
                 full = f"{prefix}.{name}" if prefix else name
                 self.buffers.append((m, name, full, b, None if b is None else b.detach().clone()))
@@ -151,7 +153,7 @@ class ModelSnapshot:
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            if p._version != version or not _same(_fingerprint(p), fp):
+            if p._version != version or not _same(fingerprint(p), fp):
                 out.append(full)
         return out
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DistributedError, InvalidArgumentError
+from ..state import fingerprint
 from ..tree import leading_size, tree_map
 
 __all__ = ["SHARD_MODES", "Shard", "ShardContext", "default_split", "resolve_shard"]
@@ -240,9 +241,7 @@ class ShardContext:
             if error is not None:
                 raise error
             return
-        mine = None if tensors is None else [
-            (tuple(t.shape), float(t.double().sum()), float(t.double().square().sum()))
-            for t in tensors]
+        mine = None if tensors is None else [(tuple(t.shape), *fingerprint(t)) for t in tensors]
         out = self._exchange(mine, error)
         bad = [r for r, o in enumerate(out) if not _same_sums(o, out[0])]
         if bad:

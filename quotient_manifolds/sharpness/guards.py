@@ -30,6 +30,7 @@ from ..errors import (
 )
 from ..models import ModelGeometry
 from ..models.config import QuotientConfig
+from ..state import fingerprint
 from ..tree import tree_leaves
 from .feasible import FeasibleSet
 
@@ -206,11 +207,5 @@ def check_feasible(feasible: FeasibleSet, xi: torch.Tensor, batch: int) -> None:
 def batch_fingerprint(batch: object) -> tuple:
     """Shapes and float64 sums of every tensor of `batch`: what ranks compare to find out
     that they iterate different data."""
-    out = []
-    for t in tree_leaves(batch):
-        if isinstance(t, torch.Tensor):
-            d = t.detach()
-            d = d.abs() if d.is_complex() else d
-            s = d.double() if d.numel() else d.new_zeros(1, dtype=torch.float64)
-            out.append((tuple(t.shape), float(s.sum()), float(s.square().sum())))
-    return tuple(out)
+    return tuple((tuple(t.shape), *fingerprint(t)) for t in tree_leaves(batch)
+                 if isinstance(t, torch.Tensor))
