@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..symmetry import Fold, Scene, SymmetryFamily, random_normal, rms
+from ..symmetry import Centring, Fold, Scene, SymmetryFamily, random_normal, rms
 
 __all__ = ["EmbeddingShiftFold", "EmbeddingShifts", "TiedEmbeddingShiftFold"]
 
@@ -68,11 +68,52 @@ class EmbeddingShiftFold(Fold):
         return self._move(params, theta.view(params[self.other].shape[1:]))
 
 
+@dataclass(frozen=True)
 class TiedEmbeddingShiftFold(EmbeddingShiftFold):
-    """The same translation where the word table is also the output head: a symmetry of the
-    softmax cross-entropy only."""
+    r"""The same translation where the word table is also the output head: a symmetry of the
+    softmax cross-entropy only.
+
+    With `constant`, the group also holds $E_w \mapsto E_w + s\,\mathbb 1 \mathbb 1^\top$ (every
+    entry of the word table plus one $s$): the translation $t = s\mathbb 1$ composed with the
+    centring of the other table, whose rows a LayerNorm reads only through their mean-free part.
+    The tied head moves every logit by the same $s\,h^\top \mathbb 1$. Without it the canonical
+    point would not be invariant once the other table is centred: the centring removes the
+    $\mathbb 1$-component of $t$ from $E_o$ but not from $E_w$. Canonical representative: as
+    above, then the mean of the first word row removed from every entry of $E_w$ (the
+    perturbations of that row keep a zero sum)."""
+
+    constant: bool = False
 
     invariant = "loss"
+
+    def apply(self, params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        out, frozen = super().apply(params)
+        if self.constant:
+            with torch.no_grad():
+                w = out[self.word]
+                out[self.word] = w - w[0].mean()
+        return out, frozen
+
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
+        out = super().act(params, generator, a)
+        if self.constant:
+            w = out[self.word]
+            out[self.word] = w + a * rms(w) * random_normal((), generator, w.dtype, w.device)
+        return out
+
+    def lie_dim(self, params: Params) -> int:
+        return super().lie_dim(params) + int(self.constant)
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        d = super().lie_dim(params)
+        out = super().act_at(params, theta[:d])
+        if self.constant:
+            out[self.word] = out[self.word] + theta[d].to(out[self.word].dtype)
+        return out
+
+    def constraints(self, params: Params) -> tuple[Centring, ...]:
+        return (Centring(self.word, 1, 0, 1),) if self.constant else ()
 
 
 class EmbeddingShifts(SymmetryFamily):
@@ -96,4 +137,4 @@ class EmbeddingShifts(SymmetryFamily):
                 if t is not word:
                     o = p.name(t.weight)
                     scene.propose([EmbeddingShiftFold(name, w, o), TiedEmbeddingShiftFold(
-                        name, w, o)])
+                        name, w, o, constant=True), TiedEmbeddingShiftFold(name, w, o)])
