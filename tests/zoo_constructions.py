@@ -265,7 +265,7 @@ def mlp_block(ctx: Ctx, claim: Any) -> None:
 
 
 # -- norms -------------------------------------------------------------------------------------
-def _norm_probe(norm: nn.Module, d: int) -> nn.Module:
+def _norm_probe(norm: nn.Module) -> nn.Module:
     m = copy.deepcopy(norm).double()
     for p in m.parameters():
         p.requires_grad_(False)
@@ -274,7 +274,7 @@ def _norm_probe(norm: nn.Module, d: int) -> nn.Module:
 
 def gain_offset(norm: nn.Module, d: int) -> float:
     """$o$ in $γ = o + w$, measured: the norm's output with $w = 0$ (and no shift)."""
-    m = _norm_probe(norm, d)
+    m = _norm_probe(norm)
     for p in m.parameters():
         p.zero_()
     x = torch.randn(3, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -285,7 +285,7 @@ def gain_offset(norm: nn.Module, d: int) -> float:
 
 def is_centring(norm: nn.Module, d: int) -> bool:
     """Whether the norm removes its input's mean (LayerNorm), measured."""
-    m = _norm_probe(norm, d)
+    m = _norm_probe(norm)
     x = torch.randn(3, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     with float64_internals():
         return bool((m(x) - m(x + 3.0)).abs().max() < 1e-10)
