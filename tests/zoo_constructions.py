@@ -220,10 +220,11 @@ def _rotary_commutant(ctx: Ctx, h: int, rot: int) -> torch.Tensor:
 def qk_block(ctx: Ctx, claim: Any) -> None:
     r"""Per key head $g$: $W_Q^{(j)} \mapsto A_g^{-\top} W_Q^{(j)}$ for the query heads $j$
     reading it, $W_K^{(g)} \mapsto A_g W_K^{(g)}$ (biases alike): $q^\top k$ unchanged. $A_g$
-    in the rotary commutant when the config has a rotary embedding."""
+    any element of GL(h) where GL(h) is claimed (a rotary model then changes its outputs), of
+    the commutant of the config's rotary embedding where a subgroup is claimed."""
     L = attention_layout(ctx, claim.module)
     for g in range(L.kv_heads):
-        A = _rotary_commutant(ctx, L.h, L.rot) if L.rot else ctx.gl(L.h)
+        A = ctx.gl(L.h) if claim.group is None else _rotary_commutant(ctx, L.h, L.rot)
         Ait = torch.linalg.inv(A).T
         for j in range(L.heads):
             if L.group(j) == g:
@@ -248,8 +249,9 @@ _MLP = (("up_proj", "down_proj"), ("fc1", "fc2"), ("wi", "wo"), ("linear1", "lin
 
 
 def mlp_block(ctx: Ctx, claim: Any) -> None:
-    r"""Unit $i$: input row (and bias) $\times λ_i$, output column $/ λ_i$; $λ > 0$ (ReLU) or,
-    in a gated MLP (a `gate_proj` beside the scaled linear branch), any sign."""
+    r"""Unit $i$: input row (and bias) $\times λ_i$, output column $/ λ_i$; $λ > 0$ where the
+    claim is the connected group (a ReLU), any sign otherwise (the linear branch of a gated MLP):
+    a sign claimed for a ReLU then changes the outputs."""
     pre = f"{claim.module}."
     kids = dict(ctx.modules[claim.module].named_children())
     up, down = next(((u, d) for u, d in _MLP if u in kids and d in kids), (None, None))
@@ -257,7 +259,7 @@ def mlp_block(ctx: Ctx, claim: Any) -> None:
         raise KeyError(f"no MLP layout for {claim.module}: add its (input, output) pair to "
                        "_MLP in tests/zoo_constructions.py")
     W = ctx.P[pre + up + ".weight"]
-    lam = ctx.scales(W.shape[0], signed="gate_proj" in kids)
+    lam = ctx.scales(W.shape[0], signed=not claim.connected)
     W.mul_(lam[:, None])
     if pre + up + ".bias" in ctx.P:
         ctx.P[pre + up + ".bias"].mul_(lam)
