@@ -101,12 +101,9 @@ def test_invariance_mha(metric):
 @pytest.mark.parametrize("which", ["bert", "timm_vit"])
 @pytest.mark.parametrize("symmetry", ["full", "complete"])
 def test_invariance_transformers(which, symmetry):
-    r"""float32 models under the full group. The complete group is checked on the float64
-    models, at translations of $10/\sqrt{\text{fan-in}}$ per entry ($a = 2.5$, width 16)
-    instead of $a = 100$: its translations are absolute ($t \sim N(0, a^2)$), and at
-    $a = 10$ to $100$, 100 to 1000 times the weights, a LayerNorm's centring loses so many
-    digits that the function changes by more than the probes' $10^{-10}$, even in float64 (the
-    folds then fall back, with a warning)."""
+    """float32 models under the full group; the complete group on the float64 models (its
+    translations of 100 times the weights lose too many digits in a LayerNorm's centring in
+    float32)."""
     if which == "bert":
         model, data, lf = small_bert().eval(), bert_data(n_batches=1), hf_loss
     else:
@@ -118,7 +115,7 @@ def test_invariance_transformers(which, symmetry):
     ref = qm.geodesic_sharpness(model, lf, data, **kw)
     kw.pop("geometry")
     ad_ref = qm.adaptive_sharpness(model, lf, data, **kw)
-    for a in (1e-2, 1e2 if symmetry == "full" else 10 / math.sqrt(16)):
+    for a in (1e-2, 1e2):
         new = qm.reparametrize(model, a=a, symmetry=symmetry,
                                generator=torch.Generator().manual_seed(11))
         r = qm.geodesic_sharpness(new, lf, data, **kw, geometry=qm.Geometry(symmetry=symmetry))

@@ -44,7 +44,6 @@ from .inputs import normalize_inputs
 from .prober import Joint
 from .records import (
     DEFAULT_SYMMETRY,
-    PROBE_RTOL,
     SYMMETRIES,
     Fallback,
     ProbeRecord,
@@ -156,7 +155,7 @@ def _fold_phase(scene: Scene, blocks: Sequence[BlockSpec],
             outputs) else 0.0
         if len(outputs) < len(folds):  # symmetries of the loss: the loss is unchanged
             err = max(err, p.probe(Joint(folds)), p.loss_change(apply_folds(folds, p.params)[0]))
-        if err > PROBE_RTOL * len(folds):  # folds that pass one by one but not together
+        if err > p.fold_tolerance * len(folds):  # folds that pass one by one, not together
             return [], fallbacks + [Fallback("", "folds", (
                 f"the folds pass one by one but together change the output by {err:.1e}; "
                 "none is claimed"))]
