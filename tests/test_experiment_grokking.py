@@ -21,8 +21,10 @@ def quick(tmp_path_factory):
 
 def test_blocks_one_qk_and_one_vo_per_head():
     model = grokking.GrokTransformer(43)
-    blocks = qm.discover_blocks(model)
-    assert sorted((b.kind, b.heads, b.h) for b in blocks) == [
+    x, _, _, _ = grokking.modular_data(43, 0.3, 0)
+    blocks = qm.discover_blocks(model, example_inputs=(x[:4],))
+    attention = [b for b in blocks if b.kind.startswith("attention")]  # (and MLP neurons)
+    assert sorted((b.kind, b.heads, b.h) for b in attention) == [
         ("attention.qk", 4, 16), ("attention.vo", 4, 16)]
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from .._args import check_int, check_real
 from ..errors import ArgumentTypeError, InvalidArgumentError
 from ..manifolds import RETRACTIONS
-from .records import SYMMETRIES, Symmetries
+from .records import DEFAULT_SYMMETRY, SYMMETRIES, Symmetries
 
 __all__ = ["QuotientConfig", "METRICS", "HALF"]
 
@@ -48,12 +48,12 @@ class QuotientConfig:
         Metric of the GL(h) blocks: Eq. 9 (`"inv"`) or Eq. 10 (`"mix"`). `None`: no GL block,
         every weight has the adaptive metric $\xi^2/(w^2 + \varepsilon)$ (adaptive sharpness).
     symmetry : {"complete", "full", "paper"}
-        Which symmetries are quotiented out: `"full"` (the default), the attention heads with
-        the rotary subgroup and grouped heads, LoRA, norm gains, the key and value bias
-        translations and q/k norms; `"complete"`, every symmetry the library recognises (adds
-        MLP neurons, LayerNorm translations, embedding and softmax shifts, residual rotations;
-        see the symmetries page); `"paper"`, GL(h) per recognised attention head with the bias
-        rows appended (the paper's measure)
+        Which symmetries are quotiented out: `"complete"` (the default), every symmetry the
+        library recognises (the full group, and MLP neurons, LayerNorm translations, embedding
+        and softmax shifts, residual rotations; see the symmetries page); `"full"`, the
+        attention heads with the rotary subgroup and grouped heads, LoRA, norm gains, the key
+        and value bias translations and q/k norms; `"paper"`, GL(h) per recognised attention
+        head with the bias rows appended (the paper's measure)
         ([`SYMMETRIES`][quotient_manifolds.models.records.SYMMETRIES]).
     retraction : {"second_order", "exact", "first_order"}
         How GL blocks are perturbed: Eq. 5 (the paper), the geodesic by RK4, or $w + \xi$
@@ -85,7 +85,7 @@ class QuotientConfig:
     """
 
     metric: str | None = "inv"
-    symmetry: str = "full"
+    symmetry: str = DEFAULT_SYMMETRY
     retraction: str = "second_order"
     eps: float = 0.0
     adaptive_eps: float = 0.0

@@ -31,13 +31,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import BlockSpecError, NoBlocksWarning, ProbeWarning, SymmetryFallbackWarning
+from ..errors import (
+    BlockSpecError,
+    LossEvaluationError,
+    NoBlocksWarning,
+    ProbeWarning,
+    SymmetryFallbackWarning,
+)
 from .blocks import BlockSpec, FactorPart
 from .families import FAMILIES
 from .inputs import normalize_inputs
 from .prober import Joint
 from .records import (
-    PROBE_RTOL,
+    DEFAULT_SYMMETRY,
     SYMMETRIES,
     Fallback,
     ProbeRecord,
@@ -149,7 +155,7 @@ def _fold_phase(scene: Scene, blocks: Sequence[BlockSpec],
             outputs) else 0.0
         if len(outputs) < len(folds):  # symmetries of the loss: the loss is unchanged
             err = max(err, p.probe(Joint(folds)), p.loss_change(apply_folds(folds, p.params)[0]))
-        if err > PROBE_RTOL * len(folds):  # folds that pass one by one but not together
+        if err > p.fold_tolerance * len(folds):  # folds that pass one by one, not together
             return [], fallbacks + [Fallback("", "folds", (
                 f"the folds pass one by one but together change the output by {err:.1e}; "
                 "none is claimed"))]
@@ -162,7 +168,7 @@ def find_folds(
     *,
     example_inputs: Any = None,
     families: Sequence[SymmetryFamily] | None = None,
-    symmetry: str = "full",
+    symmetry: str = DEFAULT_SYMMETRY,
     loss: tuple[Callable, Any] | None = None,
 ) -> tuple[list[Fold], list[Fallback]]:
     r"""The folds of `model` (the fold families of discovery), each confirmed by a probe.
@@ -268,7 +274,7 @@ def _warn_fallbacks(fallbacks: list[Fallback], classes: Mapping[str, str]) -> No
 def discover(
     model: nn.Module,
     *,
-    symmetry: str = "full",
+    symmetry: str = DEFAULT_SYMMETRY,
     declared: Iterable[BlockSpec] = (),
     warn: bool = True,
     probe: bool = True,
@@ -284,9 +290,11 @@ def discover(
     model : nn.Module
         Any model; it is only read (probes run on a float64 deep copy).
     symmetry : {"complete", "full", "paper"}
-        `"full"` (the default): the rotary commutant, grouped heads, norm gains, bias
-        translations and q/k norms. `"complete"`: every symmetry the families claim (adds MLP
-        neurons, LayerNorm translations, embedding and softmax shifts, residual rotations).
+        `"complete"` (the default): every symmetry the families claim (the full group, and
+        MLP neurons, LayerNorm translations, embedding and softmax shifts, residual
+        rotations; the symmetries of the loss only when `loss_fn` and `batch` are given).
+        `"full"`: the rotary commutant, grouped heads, norm gains, bias translations and q/k
+        norms.
         `"paper"`: GL(h) per recognised head only, bias rows appended, no folds
         ([`SYMMETRIES`][quotient_manifolds.models.records.SYMMETRIES]).
     declared : iterable of BlockSpec
@@ -345,6 +353,8 @@ def discover(
     if symmetry != "paper":
         try:
             folds, fold_fallbacks = _fold_phase(scene, blocks, families)
+        except LossEvaluationError:  # the user's loss failed: not a failed search
+            raise
         except Exception as e:  # noqa: BLE001 -- recorded and warned, never silent
             folds, fold_fallbacks = [], [Fallback("", "folds", (
                 f"the search for canonicalisation folds failed ({type(e).__name__}: {e}); "
@@ -376,17 +386,17 @@ def discover_blocks(
     *,
     declared: Iterable[BlockSpec] = (),
     warn: bool = True,
-    symmetry: str = "full",
+    symmetry: str = DEFAULT_SYMMETRY,
     probe: bool = True,
     example_inputs: Any = None,
 ) -> list[BlockSpec]:
     """The verified blocks of `model` as discovered, bias rows included.
 
-    `discover(model, ...).discovered` as a list: with `symmetry="full"` the rotary and grouped
-    blocks too, with `"paper"` GL(h) per recognised head only. Unlike `discover(...).blocks`,
-    the parts that canonicalisation folds freeze (key and value bias rows) are kept, as in the
-    paper's factors (App. A, App. C). The parameters are those of
-    [discover][quotient_manifolds.models.discovery.discover].
+    `discover(model, ...).discovered` as a list: with `symmetry="complete"` or `"full"` the
+    rotary and grouped blocks too (and with `"complete"` the MLP neurons), with `"paper"` GL(h)
+    per recognised head only. Unlike `discover(...).blocks`, the parts that canonicalisation
+    folds freeze (key and value bias rows) are kept, as in the paper's factors (App. A,
+    App. C). The parameters are those of [discover][quotient_manifolds.models.discovery.discover].
 
     Returns
     -------

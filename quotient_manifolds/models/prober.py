@@ -25,7 +25,10 @@ is therefore checked numerically before it is used, by one
    ([`PROBE_EXCITATION`][quotient_manifolds.models.records.PROBE_EXCITATION]): the probe must
    demonstrably see the block (if it cannot, the inputs are scaled and the probe repeated);
 4. a **fold** (a symmetry with a canonical representative) is probed on the whole copy: a random
-   element of its group must leave every output unchanged. Candidates are probed together by
+   element of its group must leave every output unchanged (to the larger of $10^{-10}$ and 100
+   times the copy's rounding noise,
+   [`fold_tolerance`][quotient_manifolds.models.prober.Prober.fold_tolerance]). Candidates are
+   probed together by
    group testing ([`passing`][quotient_manifolds.models.prober.Prober.passing]): one forward
    pass for all of them, halving only a group that fails.
 
@@ -60,6 +63,7 @@ from .records import PROBE_EXCITATION, PROBE_RTOL, ProbeRecord
 
 __all__ = [
     "PROBE_ROWS",
+    "ROUNDING_FACTOR",
     "Candidate",
     "Joint",
     "ModuleCall",
@@ -118,6 +122,12 @@ def _is_output(key: Any) -> bool:
 def _floats(out: Any) -> list[torch.Tensor]:
     """The floating-point output tensors of a forward pass, key/value caches skipped."""
     return [t.detach() for t in output_tensors(out)]
+
+
+ROUNDING_FACTOR = 100.0
+"""How many times its rounding noise the outputs of the copy may change under a fold's random
+group element
+([`Prober.fold_tolerance`][quotient_manifolds.models.prober.Prober.fold_tolerance])."""
 
 
 def relative_change(ref: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> float:
@@ -341,6 +351,7 @@ class Prober:
         self.modules = dict(self.model.named_modules())
         self.calls: list[ModuleCall] = []
         self.reference: list[torch.Tensor] | None = None
+        self._fold_tolerance: float | None = None
         self.problem: str | None = None
         self.args: tuple = ()
         self.kwargs: dict = {}
@@ -430,6 +441,29 @@ class Prober:
             self._trace(args, kwargs)
 
     # -- whole-model probes (folds) ---------------------------------------------------------------
+    @property
+    def fold_tolerance(self) -> float:
+        r"""The tolerance of the whole-model probes: `PROBE_RTOL`, or
+        [`ROUNDING_FACTOR`][quotient_manifolds.models.prober.ROUNDING_FACTOR] times the rounding
+        noise of the copy where that is larger.
+
+        The noise is the change of the outputs (and of the user's loss) when every parameter is
+        perturbed by a relative $4\epsilon$ of random sign: a backward-stable forward pass
+        computes the exact function at such a perturbation, so no probe can tell a change below
+        it from rounding. It is larger than $10^{-12}$ only far along an orbit (a GL element
+        of condition number $10^3$, translations a hundred times the weights), where a fixed
+        $10^{-10}$ would reject exact symmetries.
+        """
+        if self._fold_tolerance is None:
+            gen = torch.Generator().manual_seed(0)  # not the probes' generator: their draws
+            eps = 4 * float(torch.finfo(torch.float64).eps)  # stay those of a fixed tolerance
+            moved = {n: t * (1 + eps * (2 * torch.randint(0, 2, t.shape, generator=gen).to(
+                t.dtype) - 1)) if t.is_floating_point() else t for n, t in self.params.items()}
+            noise = max(self.change(moved), self.loss_change(moved) if self.loss else 0.0)
+            self._fold_tolerance = (max(PROBE_RTOL, ROUNDING_FACTOR * noise)
+                                    if math.isfinite(noise) else PROBE_RTOL)
+        return self._fold_tolerance
+
     def run(self, params: Params) -> list[torch.Tensor]:
         """The floating outputs of the copy at `params` (buffers: the copy's own)."""
         d = dict(params)
@@ -480,7 +514,7 @@ class Prober:
         if not candidates:
             return []
         # the rounding of k composed group elements grows with k
-        if self.probe(Joint(candidates)) <= PROBE_RTOL * len(candidates):
+        if self.probe(Joint(candidates)) <= self.fold_tolerance * len(candidates):
             return [True] * len(candidates)
         if len(candidates) == 1:
             return [False]

@@ -22,16 +22,21 @@ __all__ = [
     "PROBE_EXCITATION",
     "Fallback",
     "FoldLike",
+    "DEFAULT_SYMMETRY",
     "ProbeRecord",
     "Symmetries",
     "parameter_layout",
 ]
 
 SYMMETRIES = ("complete", "full", "paper")
-"""The symmetry groups a measure can quotient out: `"complete"`, every one the library claims;
-`"full"` (the default), the attention heads with the rotary subgroup and grouped heads, LoRA,
-norm gains, the key and value bias translations and q/k norms; `"paper"`, the paper's GL(h) per
+"""The symmetry groups a measure can quotient out: `"complete"` (the default), every one the
+library claims; `"full"`, the attention heads with the rotary subgroup and grouped heads, LoRA,
+norm gains, the key and value bias translations and q/k norms (the default before the complete
+group, kept so that earlier results can be reproduced); `"paper"`, the paper's GL(h) per
 attention head."""
+
+DEFAULT_SYMMETRY = "complete"
+"""The group of every call that does not name one."""
 
 PROBE_RTOL = 1e-10
 """Largest relative output change a symmetric transformation may cause."""
@@ -141,7 +146,7 @@ class Symmetries:
     fallbacks: tuple[Fallback, ...] = ()
     folds: tuple[Any, ...] = ()
     probes: tuple[ProbeRecord, ...] = ()
-    symmetry: str = "full"
+    symmetry: str = DEFAULT_SYMMETRY
     discovered: tuple[BlockSpec, ...] = ()
     layout: tuple[tuple[str, tuple[int, ...]], ...] = ()
 

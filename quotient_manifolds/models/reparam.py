@@ -33,7 +33,7 @@ from .config import check_choice
 from .discovery import discover, find_folds
 from .families import ValueBiasFold
 from .prober import Candidate
-from .records import SYMMETRIES
+from .records import DEFAULT_SYMMETRY, SYMMETRIES
 from .symmetry import Fold
 
 __all__ = ["SYMMETRIES", "reparametrize", "transform_params"]
@@ -124,7 +124,7 @@ def reparametrize(
     *,
     a: float = 1.0,
     generator: torch.Generator | None = None,
-    symmetry: str = "full",
+    symmetry: str = DEFAULT_SYMMETRY,
     blocks: Sequence[BlockSpec] | None = None,
     declared: Iterable[BlockSpec] = (),
     example_inputs: tuple[tuple, dict] | None = None,
@@ -149,11 +149,11 @@ def reparametrize(
     generator : torch.Generator, optional
         Source of the random element (default: torch's global generator).
     symmetry : {"complete", "full", "paper"}
-        `"full"` (the default): GL or subgroup blocks, grouped K/V heads, norm gains, bias
-        translations, q/k norms. `"complete"`: every symmetry the library claims (adds MLP
-        neurons, LayerNorm translations, embedding shifts, residual rotations, and with
-        `loss_fn` the symmetries of the loss). `"paper"`: GL(h) per recognised head only, the
-        group of the paper's measure.
+        `"complete"` (the default): every symmetry the library claims (the full group, and
+        MLP neurons, LayerNorm translations, embedding shifts, residual rotations, and with
+        `loss_fn` the symmetries of the loss). `"full"`: GL or subgroup blocks, grouped K/V
+        heads, norm gains, bias translations, q/k norms. `"paper"`: GL(h) per recognised head
+        only, the group of the paper's measure.
     blocks : sequence of BlockSpec, optional
         Use these blocks instead of discovering them (folds are still found unless
         `symmetry="paper"`).

@@ -41,7 +41,7 @@ from torch import nn
 from ..errors import BlockSpecError
 from .blocks import BlockSpec
 from .prober import Prober
-from .records import Fallback
+from .records import DEFAULT_SYMMETRY, Fallback
 
 __all__ = [
     "Centring",
@@ -207,7 +207,7 @@ class Scene:
     """
 
     model: nn.Module
-    symmetry: str = "full"
+    symmetry: str = DEFAULT_SYMMETRY
     example_inputs: Any = None
     loss: tuple[Callable, Any] | None = None
     modules: dict[str, nn.Module] = field(init=False)

@@ -608,7 +608,7 @@ def geodesic_sharpness(
     geometry : Geometry, optional
         Symmetries, retractions, relaxations and ball
         ([`Geometry`][quotient_manifolds.sharpness.config.Geometry]); default `Geometry()`: the
-        full symmetry group, second-order retraction (Eq. 5), metric ball.
+        complete symmetry group, second-order retraction (Eq. 5), metric ball.
     solver : APGD, Average or GeooptSolver, optional
         How the inner problem is solved: `APGD()` (worst case, default; `APGD(restarts=3,
         seed=…)` adds random starts), `Average(seed=…)` (Gaussian average case) or

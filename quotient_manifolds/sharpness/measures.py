@@ -11,8 +11,8 @@ Each entry is a frozen [`Measure`][quotient_manifolds.sharpness.measures.Measure
 | `adaptive-linf` | no GL block, box | adaptive sharpness, ℓ∞ |
 | `adaptive-metric` | no GL block, metric ball | adaptive metric, Riemannian step and projection |
 | `geodesic-inv`, `geodesic-mix` | GL(h) per head, `symmetry="paper"` | the paper's geodesic sharpness (Eq. 4, Eq. 5) |
-| `geodesic-inv-full`, `geodesic-mix-full` | `symmetry="full"` | attention heads (rotary, grouped), LoRA, norm gains, bias translations, q/k norms (the default geometry) |
-| `geodesic-inv-complete`, `geodesic-mix-complete` | `symmetry="complete"` | every symmetry the library recognises |
+| `geodesic-inv-full`, `geodesic-mix-full` | `symmetry="full"` | attention heads (rotary, grouped), LoRA, norm gains, bias translations, q/k norms |
+| `geodesic-inv-complete`, `geodesic-mix-complete` | `symmetry="complete"` | every symmetry the library recognises (the default geometry) |
 | `…-adaptive-norm` | `ball="adaptive"` | App. G ablation (a): the adaptive norm instead of the Riemannian one |
 | `…-first-order` | `retraction="first_order"` | App. G ablation (b): no second-order term |
 | `…-average` | Gaussian average | the average case (App. D) |
@@ -136,9 +136,10 @@ MEASURES: dict[str, Measure] = _table(
                 doc=f"geodesic sharpness (Eq. 4), {metric} metric, GL(h) per head (the paper's "
                     "measure), second-order retraction (Eq. 5)"),
         Measure(f"geodesic-{metric}-complete", _geodesic(metric, "complete"),
-                doc=f"geodesic sharpness, {metric} metric, every recognised symmetry"),
+                doc=f"geodesic sharpness, {metric} metric, every recognised symmetry (the "
+                    "default group)"),
         Measure(f"geodesic-{metric}-full", _geodesic(metric, "full"),
-                doc=f"geodesic sharpness, {metric} metric, the default group (attention, LoRA, "
+                doc=f"geodesic sharpness, {metric} metric, the full group (attention, LoRA, "
                     "norm gains, bias translations, q/k norms)"),
         Measure(f"geodesic-{metric}-adaptive-norm", _geodesic(metric, ball="adaptive"),
                 doc=f"App. G ablation (a): {metric}, the adaptive norm instead of the "

@@ -52,7 +52,7 @@ from .results_file import ResultsFile
 
 __all__ = ["DEFAULT_MEASURES", "SEED_MAX", "BatchFile", "MeasureSettings", "evaluate_population"]
 
-DEFAULT_MEASURES = ("adaptive", "geodesic-inv-full", "geodesic-mix-full")
+DEFAULT_MEASURES = ("adaptive", "geodesic-inv-complete", "geodesic-mix-complete")
 """The default measures: adaptive sharpness (Eq. 1, ℓ2 ball, reference algorithm) and
 geodesic sharpness (Eq. 4) with the `inv` or `mix` metric, the second-order retraction
 (Eq. 5) and every symmetry the library recognises (the library's default; `geodesic-inv` and
