@@ -130,14 +130,25 @@ class _Tangent:
         def moved(names):
             return lambda th: {n: fold.act_at(params, th)[n] for n in names}
 
+        if type(fold).act_at is CentringFold.act_at:  # a value broadcast along an axis
+            w = params[fold.param]
+            line = list(w.shape)
+            line[fold.axis] = 1
+            self._tangent = lambda th: {fold.param: th.view(line).expand(w.shape)}
+            self._adj = lambda cot: (cot[fold.param].sum(fold.axis).reshape(-1),)
+        else:  # forward and reverse mode through the fold's own action
+            self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
+            self._adj = lambda cot: self._vjp(cot)
         probe = torch.randn(self.k, dtype=dtype, generator=torch.Generator().manual_seed(0))
-        _, tang = jvp(moved(names), (theta0,), (probe.to(theta0.device),))
+        self._fn = moved(names)
+        tang = self._tangent(probe.to(theta0.device))
         self.names = [n for n in names if bool(self._gather(tang[n], slots[n]).ne(0).any())]
         self.slots = {n: slots[n] for n in self.names}
         if not self.names:
             return
         self._fn = moved(self.names)
-        _, self._vjp = vjp(self._fn, theta0)
+        if type(fold).act_at is not CentringFold.act_at:
+            _, self._vjp = vjp(self._fn, theta0)
         self._shapes = {n: params[n].shape for n in self.names}
 
     @staticmethod
@@ -149,7 +160,7 @@ class _Tangent:
         """`out += V_f theta` (flat adaptive vector)."""
         if not self.names:
             return
-        _, tang = jvp(self._fn, (self._theta0,), (theta.to(self._theta0.dtype),))
+        tang = self._tangent(theta.to(self._theta0.dtype))
         for n, e in self.slots.items():
             out[e.start:e.stop] += self._gather(tang[n], e).to(out.dtype)
 
@@ -166,16 +177,13 @@ class _Tangent:
             else:
                 cot[n] = torch.zeros(ref.numel(), dtype=piece.dtype, device=piece.device
                                      ).index_copy(0, e.index, piece).view(ref)
-        return self._vjp(cot)[0].to(y.dtype)
+        return self._adj(cot)[0].to(y.dtype)
 
     def columns(self, size: int) -> torch.Tensor:
         """The dense `(k, size)` matrix of $V_f^\top$ (for a small `k` only)."""
         eye = torch.eye(self.k, dtype=self._theta0.dtype, device=self._theta0.device)
 
-        def col(th):
-            return jvp(self._fn, (self._theta0,), (th,))[1]
-
-        tangs = vmap(col)(eye)
+        tangs = vmap(self._tangent)(eye)
         C = torch.zeros(self.k, size, dtype=eye.dtype, device=eye.device)
         for n, e in self.slots.items():
             t = tangs[n].reshape(self.k, -1)
