@@ -56,13 +56,16 @@ class ConstrainedAdaptiveTangentSpace(AdaptiveTangentSpace):
                  constraint: LinearConstraint) -> None:
         super().__init__(manifold, x0)
         self.constraint = constraint
+        self._weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:
         return self.constraint.project(super().proju(u), self.inv_c2)
 
     def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        m = torch.where(w2 > 0, 1.0 / torch.where(w2 > 0, w2, 1.0), 0.0).to(self.dtype)
-        return self.constraint.project(super().proju(u), m * self.live)
+        if self._weights is None or self._weights[0] is not w2:  # one m per w2 (the cache
+            m = torch.where(w2 > 0, 1.0 / torch.where(w2 > 0, w2, 1.0), 0.0).to(self.dtype)
+            self._weights = (w2, m * self.live)  # of the constraint is keyed on it)
+        return self.constraint.project(super().proju(u), self._weights[1])
 
     def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         r = super().egrad2rgrad(g)

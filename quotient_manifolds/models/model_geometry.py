@@ -24,7 +24,11 @@ parameters keep their values.
 **Canonical base point.** The symmetries may come with a canonicalisation
 (`symmetries.canonicalize(params) -> (params, frozen masks)`): the base point is then the
 canonical representative of the model's orbit, and frozen entries never move. The model itself
-is never written to.
+is never written to. The perturbations of the adaptive entries are horizontal to the orbits of
+the translation folds (`translations`, a
+[`TranslationConstraint`][quotient_manifolds.models.translations.TranslationConstraint]; the
+post-norm and embedding shifts' slices are free for it): their tangent space is a
+[`ConstrainedAdaptiveTangentSpace`][quotient_manifolds.manifolds.constrained.ConstrainedAdaptiveTangentSpace].
 
 **Zero weights.** With `adaptive_eps = 0` the adaptive metric is infinite at $w = 0$; such
 entries never move (the adaptive tangent space freezes them; the reference code behaves the same
