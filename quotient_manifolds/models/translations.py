@@ -280,7 +280,7 @@ def _restricted_pinv(G: torch.Tensor, CF: torch.Tensor) -> torch.Tensor:
     if CF.numel() == 0 or not bool(CF.ne(0).any()):
         return _pinv(G)
     U, S, _ = torch.linalg.svd(CF, full_matrices=True)
-    rank = int((S > S.max() * 1e-12).sum())
+    rank = int((S > S.max() * _rcond(CF.dtype)).sum())
     N = U[:, rank:]
     return N @ _pinv(N.T @ G @ N) @ N.T
 
@@ -403,11 +403,16 @@ def _connected(tangents: Sequence[_Tangent]) -> list[list[_Tangent]]:
     return list(groups.values())
 
 
+def _rcond(dtype: torch.dtype) -> float:
+    """Relative size below which an eigenvalue counts as zero (rounding of the Gram matrix)."""
+    return 1e3 * torch.finfo(dtype).eps
+
+
 def _pinv(G: torch.Tensor) -> torch.Tensor:
     if G.numel() == 0:
         return G
     lam, U = torch.linalg.eigh(G)
-    keep = lam > lam.abs().max() * 1e-12
+    keep = lam > lam.abs().max() * _rcond(G.dtype)
     inv = torch.where(keep, 1.0 / torch.where(keep, lam, 1.0), 0.0)
     return (U * inv) @ U.T
 
