@@ -24,7 +24,11 @@ parameters keep their values.
 **Canonical base point.** The symmetries may come with a canonicalisation
 (`symmetries.canonicalize(params) -> (params, frozen masks)`): the base point is then the
 canonical representative of the model's orbit, and frozen entries never move. The model itself
-is never written to.
+is never written to. The perturbations of the adaptive entries are horizontal to the orbits of
+the translation folds (`translations`, a
+[`TranslationConstraint`][quotient_manifolds.models.translations.TranslationConstraint]; the
+post-norm and embedding shifts' slices are free for it): their tangent space is a
+[`ConstrainedAdaptiveTangentSpace`][quotient_manifolds.manifolds.constrained.ConstrainedAdaptiveTangentSpace].
 
 **Zero weights.** With `adaptive_eps = 0` the adaptive metric is infinite at $w = 0$; such
 entries never move (the adaptive tangent space freezes them; the reference code behaves the same
@@ -50,7 +54,7 @@ from ..errors import (
     RankDeficientError,
     ZeroWeightError,
 )
-from ..manifolds import AdaptiveEuclidean, GLQuotient
+from ..manifolds import GLQuotient
 from ..manifolds.gl_quotient import GLTangentSpace
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
@@ -58,6 +62,7 @@ from .config import QuotientConfig
 from .discovery import discover
 from .records import Fallback, Symmetries
 from .row_layout import RowLayout
+from .translations import adaptive_space, horizontal_translations
 
 __all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "HALF_DTYPES",
            "ParamSelection", "select_parameters"]
@@ -341,6 +346,7 @@ class ModelGeometry:
         self.symmetries = sym
         self.base, self.frozen = sym.canonicalize(raw)
         self.base = {n: t.detach() for n, t in self.base.items()}
+        translations, self.frozen = horizontal_translations(sym.folds, self.base, self.frozen)
         self.blocks, self.fallbacks = _selected_blocks(sym.blocks, list(sym.fallbacks),
                                                        self.selected)
         self.claimed = _claimed(self.blocks, self.base)
@@ -349,9 +355,8 @@ class ModelGeometry:
             self.selected, self.base, self.claimed, self.frozen, g.adaptive_eps, self.dtype)
         self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype,
                                                                device=self._device())
-        self.adaptive = AdaptiveEuclidean(g.adaptive_eps, g.adaptive_retraction, ndim=1,
-                                          validate=False)
-        self.adaptive_space = self.adaptive.at(self.w0)
+        self.adaptive, self.adaptive_space, self.translations = adaptive_space(
+            g, self.w0, translations, self.base, self.entries, self.dtype)
         self._point_buffer: torch.Tensor | None = None
         self._point_origin: object | None = None  # the RowLayout family last written there
         spaces = [grp.space for grp in self.groups] + [self.adaptive_space]
@@ -527,9 +532,9 @@ class ModelGeometry:
     def row_layout(self, grads: Sequence[torch.Tensor | None], *, max_fraction: float = 0.5,
                    min_saving: float = 0.125) -> RowLayout | None:
         """[`RowLayout.from_gradients`][quotient_manifolds.models.row_layout.RowLayout.from_gradients]
-        of this geometry."""
-        return RowLayout.from_gradients(self, grads, max_fraction=max_fraction,
-                                        min_saving=min_saving)
+        of this geometry; `None` with translation orbits (an embedding shift couples the rows)."""
+        return None if self.translations is not None else RowLayout.from_gradients(
+            self, grads, max_fraction=max_fraction, min_saving=min_saving)
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Points of an arbitrary parameter dict, one per factor (the inverse of `to_params`)."""

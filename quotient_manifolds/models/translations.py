@@ -1,0 +1,450 @@
+r"""The orbit directions of the translation folds: perturbations made horizontal to them.
+
+A translation fold of the complete group (LayerNorm writer and reader centring, the softmax
+shift, post-norm shifts, embedding shifts) acts by $w \mapsto w + V t$, with $V$ fixed on its
+orbit. Its canonical point removes the orbit from the base point; this module removes it from
+the perturbations:
+[`TranslationConstraint`][quotient_manifolds.models.translations.TranslationConstraint] is the
+projection
+
+$$
+\Pi_V \xi = \xi - V (V^\top M V)^{+} V^\top M \xi
+$$
+
+of the adaptive part of a perturbation onto the complement of every orbit, orthogonal in the
+adaptive metric $M = \operatorname{diag}(1/c^2)$, with $V = [V_1, \dots, V_k]$ the orbit
+tangents of all translation folds at the canonical point, restricted to the adaptive entries
+(the entries of GL blocks and frozen entries are not part of the flat vector).
+
+**How $V$ is evaluated.** $V_f t$ is the derivative of the fold's `act_at` at the canonical
+point (forward mode, one pass over the fold's parameters), $V_f^\top y$ its adjoint (one
+reverse pass); both are batched tensor operations (a value broadcast along an axis, a weighted
+sum along it). The $V_f$ of a writer, reader or embedding-shift fold have columns with disjoint
+supports (one line, one row, one embedding coordinate each), so $V_f^\top M V_f$ is diagonal,
+$\operatorname{diag}(V_f^\top (M \odot V_f \mathbb 1))$; a post-norm shift's columns overlap in
+its readers' biases ($-W_j t$), and its $d \times d$ Gram matrix is formed explicitly. The
+joint system $V^\top M V\, t = V^\top M \xi$ (the folds overlap: a writer's bias is also the
+residual bias of a post-norm shift, the word table is centred and shifted) is solved by
+conjugate gradients preconditioned by the folds' own Gram matrices: where the folds do not
+overlap this is exact in one step.
+
+**Entries of infinite weight.** With `adaptive_eps = 0` a zero weight has $c^2 = 0$: the metric
+is infinite there and the entry never moves. A vertical direction $V t$ that moves such an
+entry has infinite length; the horizontal space (the limit of $\varepsilon \to 0$) constrains
+only the directions with $(V t)_F = 0$ on these entries $F$. The solve is restricted to those
+$t$: a post-norm shift whose canonical $\beta = 0$ has infinite weight imposes nothing (its
+frozen slice $\xi_\beta = 0$ is then already horizontal), nor does an embedding shift whose
+canonical first row is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.func import jvp, vjp, vmap
+
+from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
+from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace
+from .families.centring import CentringFold, ReaderCentringFold
+from .families.embeddings import EmbeddingShiftFold
+from .families.norm_shift import NormShiftFold
+from .families.rotation import RotationFold
+from .symmetry import Fold
+
+__all__ = ["TRANSLATIONS", "TranslationConstraint", "adaptive_space", "horizontal_translations",
+           "translation_folds"]
+
+TRANSLATIONS = (CentringFold, ReaderCentringFold, NormShiftFold, EmbeddingShiftFold)
+"""The translation folds whose orbits the perturbations are made horizontal to (the softmax
+shift is a `CentringFold`, the tied embedding shift an `EmbeddingShiftFold`)."""
+
+_DISJOINT = (CentringFold, ReaderCentringFold, EmbeddingShiftFold)
+_SLICED = (NormShiftFold, EmbeddingShiftFold)  # folds that freeze a slice of their orbit
+
+Params = Mapping[str, torch.Tensor]
+
+
+def _key(f: Fold) -> tuple:
+    if isinstance(f, ReaderCentringFold):
+        c = f.consumer
+        return ("reader", c.weight, c.in_axis, c.start, c.stop)
+    if isinstance(f, CentringFold):
+        return ("centring", f.param, f.axis)
+    return (type(f).__name__, f.params)
+
+
+def translation_folds(folds: Sequence[Fold]) -> list[Fold]:
+    """The translation folds among `folds` and the gauges of their rotation folds, each orbit
+    once (a rotation's gauge repeats the centrings that are also claimed on their own)."""
+    out: dict[tuple, Fold] = {}
+    for f in folds:
+        for g in (f.gauge if isinstance(f, RotationFold) else (f,)):
+            if isinstance(g, TRANSLATIONS):
+                out.setdefault(_key(g), g)
+    return list(out.values())
+
+
+def _unfreeze(frozen: Mapping[str, torch.Tensor], folds: Sequence[Fold],
+              translations: Sequence[Fold], base: Params) -> dict[str, torch.Tensor]:
+    """`frozen` without the slices of the sliced translations (their entries become free, and
+    horizontal by the constraint), except where another fold freezes them too."""
+    freed: dict[str, torch.Tensor] = {}
+    for f in translations:
+        if isinstance(f, _SLICED):
+            for n, m in f.frozen(base).items():
+                freed[n] = m if n not in freed else freed[n] | m
+    if not freed:
+        return dict(frozen)
+    kept: dict[str, torch.Tensor] = {}
+    for f in folds:
+        for g in (f.gauge if isinstance(f, RotationFold) else (f,)):
+            if not isinstance(g, _SLICED):
+                for n, m in g.frozen(base).items():
+                    kept[n] = m if n not in kept else kept[n] | m
+    out = {}
+    for n, m in frozen.items():
+        if n in freed:
+            m = m & ~(freed[n] & ~kept.get(n, torch.zeros_like(m)))
+        if bool(m.any()):
+            out[n] = m
+    return out
+
+
+class _Tangent:
+    r"""$V_f$ of one fold on the flat adaptive vector (its columns: the fold's `act_at`
+    coordinates)."""
+
+    def __init__(self, fold: Fold, params: Params, slots: Mapping[str, Any],
+                 dtype: torch.dtype) -> None:
+        self.fold = fold
+        self.k = int(fold.lie_dim(params))
+        names = [n for n in fold.params if n in slots]
+        self._theta0 = theta0 = torch.zeros(self.k, dtype=dtype, device=_device(params))
+        self.disjoint = isinstance(fold, _DISJOINT)
+        self.names: list[str] = []
+        if not names or self.k == 0:  # its orbit lies in the GL blocks and frozen entries
+            return
+
+        def moved(names):
+            return lambda th: {n: fold.act_at(params, th)[n] for n in names}
+
+        if type(fold).act_at is CentringFold.act_at:  # a value broadcast along an axis
+            w = params[fold.param]
+            line = list(w.shape)
+            line[fold.axis] = 1
+            self._tangent = lambda th: {fold.param: th.view(line).expand(w.shape)}
+            self._adj = lambda cot: (cot[fold.param].sum(fold.axis).reshape(-1),)
+        else:  # forward and reverse mode through the fold's own action
+            self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
+            self._adj = lambda cot: self._vjp(cot)
+        probe = torch.randn(self.k, dtype=dtype, generator=torch.Generator().manual_seed(0))
+        self._fn = moved(names)
+        tang = self._tangent(probe.to(theta0.device))
+        self.names = [n for n in names if bool(self._gather(tang[n], slots[n]).ne(0).any())]
+        self.slots = {n: slots[n] for n in self.names}
+        if not self.names:
+            return
+        self._fn = moved(self.names)
+        if type(fold).act_at is not CentringFold.act_at:
+            _, self._vjp = vjp(self._fn, theta0)
+        self._shapes = {n: params[n].shape for n in self.names}
+
+    @staticmethod
+    def _gather(t: torch.Tensor, e: Any) -> torch.Tensor:
+        flat = t.reshape(-1)
+        return flat if e.index is None else flat[e.index]
+
+    def apply(self, theta: torch.Tensor, out: torch.Tensor) -> None:
+        """`out += V_f theta` (flat adaptive vector)."""
+        if not self.names:
+            return
+        tang = self._tangent(theta.to(self._theta0.dtype))
+        for n, e in self.slots.items():
+            out[e.start:e.stop] += self._gather(tang[n], e).to(out.dtype)
+
+    def adjoint(self, y: torch.Tensor) -> torch.Tensor:
+        r"""$V_f^\top y$ for a flat adaptive vector `y`."""
+        if not self.names:
+            return torch.zeros(self.k, dtype=y.dtype, device=y.device)
+        cot = {}
+        for n, e in self.slots.items():
+            ref = self._shapes[n]
+            piece = y[e.start:e.stop].to(self._theta0.dtype)
+            if e.index is None:
+                cot[n] = piece.view(ref)
+            else:
+                cot[n] = torch.zeros(ref.numel(), dtype=piece.dtype, device=piece.device
+                                     ).index_copy(0, e.index, piece).view(ref)
+        return self._adj(cot)[0].to(y.dtype)
+
+    def columns(self, size: int) -> torch.Tensor:
+        """The dense `(k, size)` matrix of $V_f^\top$ (for a small `k` only)."""
+        eye = torch.eye(self.k, dtype=self._theta0.dtype, device=self._theta0.device)
+
+        tangs = vmap(self._tangent)(eye)
+        C = torch.zeros(self.k, size, dtype=eye.dtype, device=eye.device)
+        for n, e in self.slots.items():
+            t = tangs[n].reshape(self.k, -1)
+            C[:, e.start:e.stop] = t if e.index is None else t[:, e.index]
+        return C
+
+
+def _device(params: Params) -> torch.device:
+    return next(iter(params.values())).device if params else torch.empty(0).device
+
+
+class _Component:
+    r"""Translation folds that share adaptive entries, solved together: `"diag"` (one fold with
+    disjoint columns), `"dense"` (its Gram matrix formed explicitly on its entries) or `"cg"`
+    (conjugate gradients, for large coupled folds)."""
+
+    def __init__(self, tangents: list[_Tangent], size: int, dtype: torch.dtype,
+                 dense_limit: float) -> None:
+        self.tangents = tangents
+        self.size, self.dtype = size, dtype
+        spans = sorted({(e.start, e.stop) for t in tangents for e in t.slots.values()})
+        self.K = sum(t.k for t in tangents)
+        n = sum(b - a for a, b in spans)
+        dev = tangents[0]._theta0.device
+        if len(tangents) == 1 and tangents[0].disjoint:
+            self.kind = "diag"
+        elif self.K * n <= dense_limit:
+            self.kind = "dense"
+            self.index = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
+            self.C = torch.cat([t.columns(size)[:, self.index] for t in tangents])
+        else:
+            self.kind = "cg"
+        self._pre: tuple[torch.Tensor, Any] | None = None
+
+    def V(self, thetas: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        for t, th in zip(self.tangents, thetas, strict=True):
+            t.apply(th, out)
+        return out
+
+    def Vt(self, y: torch.Tensor) -> list[torch.Tensor]:
+        return [t.adjoint(y) for t in self.tangents]
+
+    def _prepare(self, m: torch.Tensor) -> Any:
+        """What a projection with the weights `m` needs (cached for the last `m`)."""
+        if self._pre is not None and self._pre[0] is m:
+            return self._pre[1]
+        live = m > 0
+        if self.kind == "dense":
+            mi = m[self.index]
+            G = (self.C * mi) @ self.C.T
+            pre: Any = _restricted_pinv(G, self.C[:, ~live[self.index]])
+        else:
+            pre = [_fold_preconditioner(t, m, live, self.size, self.dtype)
+                   for t in self.tangents]
+        self._pre = (m, pre)
+        return pre
+
+    def project(self, x: torch.Tensor, m: torch.Tensor, tol: float, max_iter: int) -> int:
+        r"""`x` ← $\Pi_V x$ on this component's entries (in place); the iterations used."""
+        pre = self._prepare(m)
+        if self.kind == "dense":
+            xi = x[self.index]
+            t = pre @ (self.C @ (m[self.index] * xi))
+            x[self.index] = xi - self.C.T @ t
+            return 1
+        if self.kind == "diag":
+            t = [pre[0][1] * self.tangents[0].adjoint(m * x)]
+            x -= self.V(t, torch.zeros_like(x)) * (m > 0)
+            return 1
+        t, iters = _pcg(self, m, x, pre, tol, max_iter)
+        x -= self.V(t, torch.zeros_like(x)) * (m > 0)
+        return iters
+
+
+def _fold_preconditioner(t: _Tangent, m: torch.Tensor, live: torch.Tensor, size: int,
+                         dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    r"""$(V_f^\top M V_f)^{+}$ on the directions of finite length ($(V_f t)_F = 0$)."""
+    if t.disjoint:
+        ones = torch.ones(t.k, dtype=dtype, device=m.device)
+        v1 = torch.zeros(size, dtype=dtype, device=m.device)
+        t.apply(ones, v1)
+        g = t.adjoint(m * v1)  # diag(V_fᵀ M V_f): its columns have disjoint supports
+        ok = g > 0
+        if bool((~live).any()):
+            ok = ok & (t.adjoint((~live).to(dtype) * v1 * v1) == 0)
+        return "diag", torch.where(ok, 1.0 / torch.where(ok, g, 1.0), 0.0)
+    C = t.columns(size)
+    return "dense", _restricted_pinv((C * m) @ C.T, C[:, ~live])
+
+
+def _restricted_pinv(G: torch.Tensor, CF: torch.Tensor) -> torch.Tensor:
+    r"""$N (N^\top G N)^{+} N^\top$ with $N$ a basis of $\{t : C_F^\top t = 0\}$ (the
+    directions that move no entry of infinite weight); $G^{+}$ when $C_F = 0$."""
+    if CF.numel() == 0 or not bool(CF.ne(0).any()):
+        return _pinv(G)
+    U, S, _ = torch.linalg.svd(CF, full_matrices=True)
+    rank = int((S > S.max() * _rcond(CF.dtype)).sum())
+    N = U[:, rank:]
+    return N @ _pinv(N.T @ G @ N) @ N.T
+
+
+def _pcg(comp: _Component, m: torch.Tensor, x: torch.Tensor, pre: list, tol: float,
+         max_iter: int) -> tuple[list[torch.Tensor], int]:
+    r"""$t$ with $V^\top M V t = V^\top M x$ by conjugate gradients, preconditioned by each
+    fold's own $(V_f^\top M V_f)^{+}$."""
+
+    def precondition(r):
+        return [p * ri if kind == "diag" else p @ ri for (kind, p), ri in zip(pre, r, strict=True)]
+
+    def dot(a, b):
+        return sum(float(ai @ bi) for ai, bi in zip(a, b, strict=True))
+
+    b = comp.Vt(m * x)
+    z = precondition(b)
+    rz0 = rz = dot(b, z)
+    t = [torch.zeros_like(bi) for bi in b]
+    if rz0 <= (1e3 * torch.finfo(x.dtype).eps) ** 2 * float((m * x * x).sum()):
+        return t, 0  # horizontal already, to rounding
+    r, d, it = b, z, 0
+    while it < max_iter:
+        it += 1
+        Ad = comp.Vt(m * comp.V(d, torch.zeros_like(x)))
+        dAd = dot(d, Ad)
+        if dAd <= 0:
+            break
+        alpha = rz / dAd
+        t = [ti + alpha * di for ti, di in zip(t, d, strict=True)]
+        r = [ri - alpha * ai for ri, ai in zip(r, Ad, strict=True)]
+        z = precondition(r)
+        rz_new = dot(r, z)
+        if rz_new <= tol**2 * rz0:
+            break
+        d = [zi + (rz_new / rz) * di for zi, di in zip(z, d, strict=True)]
+        rz = rz_new
+    return t, it
+
+
+class TranslationConstraint:
+    r"""$\Pi_V$ on the flat adaptive vector (see the module docstring): a
+    [`LinearConstraint`][quotient_manifolds.manifolds.constrained.LinearConstraint].
+
+    The folds are grouped into components that share adaptive entries; each component is
+    projected on its own (`_Component`: closed form for one fold with disjoint columns, an
+    explicit Gram matrix while `K × entries <= dense_limit`, conjugate gradients beyond).
+
+    Parameters
+    ----------
+    folds : sequence of Fold
+        The translation folds (`translation_folds`).
+    base : dict
+        Every parameter at the canonical point.
+    entries : sequence of AdaptiveEntry
+        Where each parameter's free entries sit in the flat vector.
+    size : int
+        The length of the flat adaptive vector.
+    dtype : torch.dtype
+        The working dtype.
+    """
+
+    dense_limit = 2e7
+    """The largest (coordinates × entries) of a component whose Gram matrix is formed."""
+    max_iter = 500
+    """The most conjugate-gradient iterations of one projection of a `"cg"` component."""
+
+    def __init__(self, folds: Sequence[Fold], base: Params, entries: Sequence[Any], size: int,
+                 dtype: torch.dtype, dense_limit: float | None = None) -> None:
+        params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in base.items()}
+        slots = {e.name: e for e in entries}
+        self.size, self.dtype = size, dtype
+        self.tol = 1e-14 if dtype == torch.float64 else 1e-6
+        limit = self.dense_limit if dense_limit is None else dense_limit
+        self.tangents = [t for t in (_Tangent(f, params, slots, dtype) for f in folds) if t.names]
+        self.components = [_Component(group, size, dtype, limit)
+                           for group in _connected(self.tangents)]
+        self.iterations = 0  # the most of any component in the last projection
+
+    @property
+    def folds(self) -> list[Fold]:
+        """The folds with a component on the adaptive vector."""
+        return [t.fold for t in self.tangents]
+
+    def project(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        r"""$\Pi_V u$, orthogonal in $\sum u v\, m$ (one projection per leading index)."""
+        if not self.components:
+            return u
+        m = m.to(self.dtype)
+        x = u.to(self.dtype, copy=True)
+        rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.unsqueeze(0)
+        self.iterations = 0
+        for row in rows:
+            for c in self.components:
+                self.iterations = max(self.iterations,
+                                      c.project(row, m, self.tol, self.max_iter))
+        return x.to(u.dtype)
+
+
+def _connected(tangents: Sequence[_Tangent]) -> list[list[_Tangent]]:
+    """The tangents grouped by shared parameters (connected components)."""
+    parent = list(range(len(tangents)))
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, t in enumerate(tangents):
+        for n in t.names:
+            if n in owner:
+                parent[find(i)] = find(owner[n])
+            else:
+                owner[n] = i
+    groups: dict[int, list[_Tangent]] = {}
+    for i, t in enumerate(tangents):
+        groups.setdefault(find(i), []).append(t)
+    return list(groups.values())
+
+
+def _rcond(dtype: torch.dtype) -> float:
+    """Relative size below which an eigenvalue counts as zero (rounding of the Gram matrix)."""
+    return 1e3 * torch.finfo(dtype).eps
+
+
+def _pinv(G: torch.Tensor) -> torch.Tensor:
+    if G.numel() == 0:
+        return G
+    lam, U = torch.linalg.eigh(G)
+    keep = lam > lam.abs().max() * _rcond(G.dtype)
+    inv = torch.where(keep, 1.0 / torch.where(keep, lam, 1.0), 0.0)
+    return (U * inv) @ U.T
+
+
+def horizontal_translations(folds: Sequence[Fold], base: Params,
+                            frozen: Mapping[str, torch.Tensor]
+                            ) -> tuple[list[Fold], dict[str, torch.Tensor]]:
+    """`(translation folds, frozen masks)`: the folds whose orbits the perturbations are made
+    horizontal to, and the frozen masks without the slices those folds no longer need (a
+    post-norm shift's $\\beta$, an embedding shift's first row: free now, and horizontal).
+
+    The seam of [`ModelGeometry`][quotient_manifolds.models.model_geometry.ModelGeometry]:
+    replace it by `lambda folds, base, frozen: ([], dict(frozen))` to measure with the folds'
+    slices only (the base point alone canonical).
+    """
+    found = translation_folds(folds)
+    if not found:
+        return [], dict(frozen)
+    return found, _unfreeze(frozen, folds, found, base)
+
+
+def adaptive_space(geometry: Any, w0: torch.Tensor, folds: Sequence[Fold], base: Params,
+                   entries: Sequence[Any], dtype: torch.dtype
+                   ) -> tuple[AdaptiveEuclidean, AdaptiveTangentSpace,
+                              TranslationConstraint | None]:
+    """`(manifold, space, constraint)` of the adaptive entries at `w0` (`geometry`: its
+    `adaptive_eps` and `adaptive_retraction`): the space horizontal to the orbits of the
+    translation `folds`, or the plain adaptive space (`constraint` `None`) when no fold moves
+    an adaptive entry."""
+    manifold = AdaptiveEuclidean(geometry.adaptive_eps, geometry.adaptive_retraction, ndim=1,
+                                 validate=False)
+    tc = TranslationConstraint(folds, base, entries, w0.numel(), dtype) if folds else None
+    if tc is None or not tc.components:
+        return manifold, manifold.at(w0), None
+    return manifold, ConstrainedAdaptiveTangentSpace(manifold, w0, tc), tc
