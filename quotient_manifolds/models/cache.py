@@ -328,24 +328,27 @@ class DiscoveryCache:
         opts = dict(symmetry=symmetry, declared=declared, probe=probe,
                     example_inputs=example_inputs, families=families, loss_fn=loss_fn,
                     batch=batch)
+        t0 = time.perf_counter()
         key = self.key(model, **opts) if self.enabled and self.maxsize > 0 else None
+        t_key = time.perf_counter() - t0
         what = f"the {symmetry!r} symmetries of {type(model).__name__}"
         entry = None if key is None else self._entries.get(key)
         if entry is not None and entry.ref() is model:
             self._entries.move_to_end(key)
             self.hits += 1
-            log.info("cache hit: %s (discovery skipped)", what)
+            log.info("cache hit: %s (key in %.2f s; discovery skipped)", what, t_key,
+                     extra={"seconds": t_key})
             if warn:
                 _replay(entry.warnings)
             return entry.symmetries
         self.misses += 1
-        t0 = time.perf_counter()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             sym = discover(model, warn=True, **opts)  # type: ignore[arg-type]
-        log.info("discovered %s in %.2f s (%d blocks, %d folds)%s", what,
-                 time.perf_counter() - t0, len(sym.blocks), len(sym.folds),
-                 "" if key is not None else "; not cached")
+        dt = time.perf_counter() - t0
+        log.info("discovered %s in %.2f s (%d blocks, %d folds)%s", what, dt, len(sym.blocks),
+                 len(sym.folds), "" if key is not None else "; not cached",
+                 extra={"seconds": dt})
         if key is not None:
             self._store(key, model, _Entry(weakref.ref(model), sym, list(caught)))
         if warn:
