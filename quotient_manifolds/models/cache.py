@@ -45,7 +45,8 @@ Sharded parameters (`DTensor`, FSDP2) are not cached: a rank-local fingerprint c
 ranks disagree on a hit, and one rank would then probe alone.
 
 Every discovery logs ``discovered ... in X s`` and every hit ``cache hit ...`` at level
-`INFO` on the logger `quotient_manifolds.discovery`. The warnings of a discovery (fallbacks,
+`INFO` on the logger `quotient_manifolds.discovery` (the records carry `seconds` and
+`cpu_seconds`, wall and process time, look-up included). The warnings of a discovery (fallbacks,
 unprobed claims) are kept with the result and emitted again on each hit, as a fresh discovery
 would.
 """
@@ -328,7 +329,7 @@ class DiscoveryCache:
         opts = dict(symmetry=symmetry, declared=declared, probe=probe,
                     example_inputs=example_inputs, families=families, loss_fn=loss_fn,
                     batch=batch)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         key = self.key(model, **opts) if self.enabled and self.maxsize > 0 else None
         t_key = time.perf_counter() - t0
         what = f"the {symmetry!r} symmetries of {type(model).__name__}"
@@ -337,7 +338,7 @@ class DiscoveryCache:
             self._entries.move_to_end(key)
             self.hits += 1
             log.info("cache hit: %s (key in %.2f s; discovery skipped)", what, t_key,
-                     extra={"seconds": t_key})
+                     extra={"seconds": t_key, "cpu_seconds": time.process_time() - c0})
             if warn:
                 _replay(entry.warnings)
             return entry.symmetries
@@ -348,7 +349,7 @@ class DiscoveryCache:
         dt = time.perf_counter() - t0
         log.info("discovered %s in %.2f s (%d blocks, %d folds)%s", what, dt, len(sym.blocks),
                  len(sym.folds), "" if key is not None else "; not cached",
-                 extra={"seconds": dt})
+                 extra={"seconds": dt, "cpu_seconds": time.process_time() - c0})
         if key is not None:
             self._store(key, model, _Entry(weakref.ref(model), sym, list(caught)))
         if warn:
