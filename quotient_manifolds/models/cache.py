@@ -24,8 +24,8 @@ the result depends on:
   which bumps no version counter, and a permutation of the entries both change it);
 * discovery's options: `symmetry`, `declared`, `probe`, `families` and the example inputs the
   probes run on (structure and values), and what discovery reads from the registries: the
-  families of `FAMILIES` (when `families` is not given), the linear-layer readers and the
-  input builders, and torch's default dtype;
+  families of `FAMILIES` (when `families` is not given), the attention layouts, the
+  linear-layer readers and the input builders, and torch's default dtype;
 * for `symmetry="complete"` (or any custom `families`), the loss and the example batch, since
   the softmax shift is claimed only when `loss_fn(model, batch)` is unchanged by it: the loss
   by its code, defaults and closure (a bound method by its function and its object), the batch
@@ -38,8 +38,9 @@ returns holds no weights (folds compute the canonical point from the weights the
 so the cached object is small.
 
 **Not seen by the key**: a change to a class (a method patched on the class), to a global
-variable the loss or the model reads, or to an object the loss or a module holds and reads
-(matched by identity, not contents). After such a change, call `discovery_cache.clear()`.
+variable the loss or the model reads (or a constant of the library, such as the probes'
+tolerances), or to an object the loss or a module holds and reads (matched by identity, not
+contents). After such a change, call `discovery_cache.clear()`.
 
 Sharded parameters (`DTensor`, FSDP2) are not cached: a rank-local fingerprint could let the
 ranks disagree on a hit, and one rank would then probe alone.
@@ -68,11 +69,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import discovery as _discovery
+from . import inputs as _inputs
+from . import linear as _linear
 from .blocks import BlockSpec
-from .discovery import discover
-from .families import FAMILIES
-from .inputs import INPUT_BUILDERS
-from .linear import READERS
+from .families import attention_layouts as _layouts
 from .records import Symmetries
 from .symmetry import SymmetryFamily
 
@@ -307,10 +308,11 @@ class DiscoveryCache:
         k = _Keyer(_labels(example_inputs))
         try:
             loss_used = symmetry == "complete" or families is not None
-            fams = FAMILIES if families is None else families
+            fams = _discovery.FAMILIES if families is None else families  # as discover reads
             return (symmetry, probe, k.value(tuple(declared)),
                     tuple((_Ident(f), f.kind, tuple(f.symmetries)) for f in fams),
-                    tuple(k.value(r) for r in (*READERS, *INPUT_BUILDERS)),
+                    tuple(k.value(r) for r in (*_linear.READERS, *_inputs.INPUT_BUILDERS,
+                                               *_layouts.LAYOUTS)),
                     torch.get_default_dtype(), k.value(example_inputs),
                     (k.value(loss_fn), k.value(batch)) if loss_used else None,
                     k.model(model))
@@ -345,7 +347,7 @@ class DiscoveryCache:
         self.misses += 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sym = discover(model, warn=True, **opts)  # type: ignore[arg-type]
+            sym = _discovery.discover(model, warn=True, **opts)  # type: ignore[arg-type]
         dt = time.perf_counter() - t0
         log.info("discovered %s in %.2f s (%d blocks, %d folds)%s", what, dt, len(sym.blocks),
                  len(sym.folds), "" if key is not None else "; not cached",
