@@ -207,7 +207,9 @@ class _Keyer:
                 t._version if version else None, weights_fingerprint(t))
 
     def model(self, model: nn.Module) -> tuple:
-        mods, tensors, first = [], [], {}
+        mods: list[tuple] = []
+        tensors: list[tuple] = []
+        first: dict[int, str] = {}
         for name, m in model.named_modules(remove_duplicate=False):
             attrs = tuple((k, self.value(v)) for k, v in vars(m).items() if k not in _MODULE_SKIP)
             mods.append((name, type(m), attrs))
@@ -336,7 +338,7 @@ class DiscoveryCache:
         t_key = time.perf_counter() - t0
         what = f"the {symmetry!r} symmetries of {type(model).__name__}"
         entry = None if key is None else self._entries.get(key)
-        if entry is not None and entry.ref() is model:
+        if key is not None and entry is not None and entry.ref() is model:
             self._entries.move_to_end(key)
             self.hits += 1
             log.info("cache hit: %s (key in %.2f s; discovery skipped)", what, t_key,
@@ -347,7 +349,7 @@ class DiscoveryCache:
         self.misses += 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            sym = _discovery.discover(model, warn=True, **opts)  # type: ignore[arg-type]
+            sym = _discovery.discover(model, warn=True, **opts)
         dt = time.perf_counter() - t0
         log.info("discovered %s in %.2f s (%d blocks, %d folds)%s", what, dt, len(sym.blocks),
                  len(sym.folds), "" if key is not None else "; not cached",
