@@ -54,8 +54,10 @@ would.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import sys
 import time
 import types
 import warnings
@@ -375,9 +377,19 @@ class DiscoveryCache:
 
 
 def _replay(caught: Iterable[warnings.WarningMessage]) -> None:
+    """Emit the recorded warnings again, from where they were first emitted (file, line and
+    module, so that the warning filters treat them as they treated the originals)."""
     for w in caught:
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
-                               registry=_REGISTRY)
+                               module=_module_of(w.filename), registry=_REGISTRY)
+
+
+@functools.lru_cache(maxsize=64)
+def _module_of(filename: str) -> str | None:
+    for name, mod in list(sys.modules.items()):
+        if getattr(mod, "__file__", None) == filename:
+            return name
+    return None
 
 
 _REGISTRY: dict = {}
