@@ -36,12 +36,14 @@ from .errors import (
 from .manifolds import AdaptiveEuclidean, DiagonalQuotient, GLQuotient, QuotientManifold
 from .models import (
     BlockSpec,
+    DiscoveryCache,
     FactorPart,
     ModelGeometry,
     Symmetries,
     declare_block,
     discover,
     discover_blocks,
+    discovery_cache,
     reparametrize,
 )
 from .sharpness import (
@@ -89,10 +91,12 @@ __all__ = [
     "FactorPart",
     "Geometry",
     "ModelGeometry",
+    "DiscoveryCache",
     "Symmetries",
     "declare_block",
     "discover",
     "discover_blocks",
+    "discovery_cache",
     "reparametrize",
     "APGD",
     "Average",

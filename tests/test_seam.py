@@ -696,7 +696,7 @@ def test_given_symmetries_are_used_without_discovery(monkeypatch, symmetry):
     def no_discovery(*a, **k):
         raise AssertionError("discovered again")
 
-    monkeypatch.setattr(qm.models.model_geometry, "discover", no_discovery)
+    monkeypatch.setattr(qm.models.discovery, "discover", no_discovery)  # the cache's too
     given = qm.geodesic_sharpness(model, loss, data, rho=0.1, n_iter=3,
                                   geometry=geo.replace(symmetries=sym))
     assert given.value == discovered.value and given.blocks == discovered.blocks

@@ -64,14 +64,14 @@ def reference_geodesic(
     shape, N = x.shape, x.numel()
 
     def rhs(_, y):
-        pos = torch.from_numpy(y[:N]).reshape(shape)
-        vel = torch.from_numpy(y[N:])
+        pos = torch.from_numpy(y[:N]).reshape(shape).to(x.device)
+        vel = torch.from_numpy(y[N:]).to(x.device)
         gamma = christoffel_from_metric(manifold, pos)
         acc = -torch.einsum("lmn,m,n->l", gamma, vel, vel)
-        return np.concatenate([y[N:], acc.numpy()])
+        return np.concatenate([y[N:], acc.numpy(force=True)])
 
-    y0 = np.concatenate([t_.detach().double().reshape(-1).numpy() for t_ in (x, u)])
+    y0 = np.concatenate([t_.detach().double().reshape(-1).numpy(force=True) for t_ in (x, u)])
     sol = solve_ivp(rhs, (0.0, t), y0, method="DOP853", rtol=tol, atol=tol)
     if not sol.success:
         raise RuntimeError(f"reference geodesic failed: {sol.message}")
-    return torch.from_numpy(sol.y[:N, -1]).reshape(shape)
+    return torch.from_numpy(sol.y[:N, -1]).reshape(shape).to(x.device)

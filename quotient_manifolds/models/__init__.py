@@ -7,6 +7,7 @@ plug-ins: one [`SymmetryFamily`][quotient_manifolds.models.symmetry.SymmetryFami
 """
 
 from .blocks import KINDS, BlockSpec, FactorPart, declare_block, gather_block, scatter_block
+from .cache import DiscoveryCache, discovery_cache, weights_fingerprint
 from .config import QuotientConfig
 from .discovery import apply_folds, discover, discover_blocks, find_folds, strip_frozen
 from .families import FAMILIES, register_family, rope_pairs
@@ -23,6 +24,7 @@ __all__ = [
     "FAMILIES",
     "KINDS",
     "BlockSpec",
+    "DiscoveryCache",
     "FactorPart",
     "Fallback",
     "Fold",
@@ -37,6 +39,7 @@ __all__ = [
     "declare_block",
     "discover",
     "discover_blocks",
+    "discovery_cache",
     "example_inputs",
     "find_folds",
     "float64_internals",
@@ -49,4 +52,5 @@ __all__ = [
     "scatter_block",
     "select_parameters",
     "strip_frozen",
+    "weights_fingerprint",
 ]

@@ -183,12 +183,13 @@ def _tangents(candidates: Sequence[Any], params: dict[str, torch.Tensor],
             moved = c.act_at(params, theta)
             return torch.cat([moved[n].reshape(-1) for n in names])
 
-        theta0 = torch.zeros(k, dtype=torch.float64)
+        theta0 = torch.zeros(k, dtype=torch.float64, device=params[names[0]].device)
         cols.append(jacfwd(flat)(theta0).to(torch.float64))
         kinds += [c.kind] * k
     P = sum(params[n].numel() for n in names)
     if not cols:
-        return torch.zeros(P, 0, dtype=torch.float64), []
+        return torch.zeros(P, 0, dtype=torch.float64,
+                           device=params[names[0]].device if names else None), []
     return torch.cat(cols, dim=1), kinds
 
 
@@ -242,9 +243,10 @@ def _one(model: nn.Module, params: dict[str, torch.Tensor], names: Sequence[str]
     sizes = [params[n].numel() for n in names]
     P = sum(sizes)
     V, kinds = _tangents(candidates, params, names)
-    R = torch.zeros(0, P, dtype=torch.float64)
-    colmax = torch.zeros(P, dtype=torch.float64)
-    jv = torch.zeros(V.shape[1], dtype=torch.float64)
+    dev = V.device  # the model's (the float64 copy's) device
+    R = torch.zeros(0, P, dtype=torch.float64, device=dev)
+    colmax = torch.zeros(P, dtype=torch.float64, device=dev)
+    jv = torch.zeros(V.shape[1], dtype=torch.float64, device=dev)
     rows, target, previous = 0, 2 * P, -1
     while True:
         while rows < target:
@@ -270,7 +272,7 @@ def _one(model: nn.Module, params: dict[str, torch.Tensor], names: Sequence[str]
     if V.shape[1] and smax > 0:
         violation = float((jv.sqrt() / (smax * V.norm(dim=0).clamp_min(1e-300))).max())
     dead = colmax == 0
-    E = torch.eye(P, dtype=torch.float64)[:, dead]
+    E = torch.eye(P, dtype=torch.float64, device=dev)[:, dead]
     explained = _orthonormal(torch.cat([V, E], dim=1))
     unused = explained.shape[1] - claimed
     unexplained = max(flat - explained.shape[1], 0)

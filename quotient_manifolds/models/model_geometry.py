@@ -58,8 +58,8 @@ from ..manifolds import GLQuotient
 from ..manifolds.gl_quotient import GLTangentSpace
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
+from .cache import discovery_cache
 from .config import QuotientConfig
-from .discovery import discover
 from .records import Fallback, Symmetries
 from .row_layout import RowLayout
 from .translations import adaptive_space, horizontal_translations
@@ -339,10 +339,10 @@ class ModelGeometry:
             sym.check_model(model)
         else:
             inputs, loss = (example_inputs, None) if probed is None else probed
-            sym = discover(model, symmetry=g.symmetry, declared=g.declared, warn=warn,
-                           example_inputs=inputs,
-                           loss_fn=None if loss is None else loss[0],
-                           batch=None if loss is None else loss[1])
+            sym = discovery_cache.discover(  # one discovery per model, weights and options
+                model, symmetry=g.symmetry, declared=g.declared, warn=warn,
+                example_inputs=inputs, loss_fn=None if loss is None else loss[0],
+                batch=None if loss is None else loss[1])
         self.symmetries = sym
         self.base, self.frozen = sym.canonicalize(raw)
         self.base = {n: t.detach() for n, t in self.base.items()}

@@ -29,7 +29,8 @@ def _outputs(p: Prober, out: object) -> list[torch.Tensor]:
 
 def _projection(p: Prober, outs: Sequence[torch.Tensor]) -> torch.Tensor:
     return functools.reduce(operator.add, (
-        (t * torch.randn(t.shape, generator=p.gen, dtype=t.dtype)).sum() for t in outs))
+        (t * torch.randn(t.shape, generator=p.gen, dtype=t.dtype).to(t.device)).sum()
+        for t in outs))
 
 
 def reaches_only(p: Prober, module: str, readers: Sequence[str]) -> bool:

@@ -46,7 +46,7 @@ from ..errors import (
     QuotientManifoldError,
     ZeroGradientWarning,
 )
-from ..models import ModelGeometry, Symmetries, discover
+from ..models import ModelGeometry, Symmetries, discovery_cache
 from ..models.inputs import capture_inputs
 from ..models.model_geometry import ParamSelection, select_parameters
 from ..models.row_layout import RowLayout
@@ -425,10 +425,10 @@ def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
     with preserved(model) as snap:
         model.eval()
         probed = _capture(model, loss_fn, _Batches(data), snap)
-        return discover(model, symmetry=geometry.symmetry, declared=geometry.declared,
-                        example_inputs=probed.inputs,
-                        loss_fn=None if probed.loss is None else probed.loss[0],
-                        batch=None if probed.loss is None else probed.loss[1])
+        return discovery_cache.discover(
+            model, symmetry=geometry.symmetry, declared=geometry.declared,
+            example_inputs=probed.inputs, loss_fn=None if probed.loss is None else probed.loss[0],
+            batch=None if probed.loss is None else probed.loss[1])
 
 
 # -- driver -------------------------------------------------------------------------

@@ -124,7 +124,7 @@ class RotationFold(Fold):
         out = dict(params)
         for p in self.parts:
             v = p.view(out)
-            p.write(out, v @ Q.to(v.dtype).T)
+            p.write(out, v @ Q.to(v).T)
         return out
 
     def _gauged(self, params: Params) -> dict[str, torch.Tensor]:
@@ -134,21 +134,22 @@ class RotationFold(Fold):
         """`(U, conditioning)`: the canonical axes (columns) of the stream at `params` (gauged)
         and the smallest relative eigenvalue or third-moment gap."""
         d = self.d
-        S = torch.zeros(d, d, dtype=torch.float64)
         views = [p.view(params).to(torch.float64) for p in self.basis_parts or self.parts]
+        dev = views[0].device if views else None
+        S = torch.zeros(d, d, dtype=torch.float64, device=dev)
         for v in views:
             n2 = float(v.pow(2).sum())
             if n2 > 0:
                 S += v.T @ v / n2
         if self.centred:
-            one = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
-            P = torch.eye(d, dtype=torch.float64) - one @ one.T
+            one = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64, device=dev)
+            P = torch.eye(d, dtype=torch.float64, device=dev) - one @ one.T
             lam, U = torch.linalg.eigh(P @ S @ P)
             keep = (U.T @ one).abs().squeeze(1) < 0.5  # drop the 1 direction
             lam, U = lam[keep][-(d - 1):], U[:, keep][:, -(d - 1):]
         else:
             lam, U = torch.linalg.eigh(S)
-        third = torch.zeros(U.shape[1], dtype=torch.float64)
+        third = torch.zeros(U.shape[1], dtype=torch.float64, device=dev)
         for v in views:
             n = float(v.pow(2).sum().sqrt())
             if n > 0:
@@ -172,7 +173,7 @@ class RotationFold(Fold):
                     f"{cond:.1e}): the measure is invariant under rotations only to about that "
                     "precision", ProbeWarning, stacklevel=3)
             # the stream in the axes U; with LayerNorms, U's first axis (1) kept where it is
-            Q = _ones_first_basis(self.d) @ U.T if self.centred else U.T
+            Q = _ones_first_basis(self.d).to(U.device) @ U.T if self.centred else U.T
             return self._rotate(params, Q), frozen
 
     def act(self, params: Params, generator: torch.Generator | None = None,
@@ -193,8 +194,9 @@ class RotationFold(Fold):
         X = theta.reshape(self.d, self.d)
         X = X - X.T
         if self.centred:
-            one = torch.full((self.d, 1), 1 / math.sqrt(self.d), dtype=torch.float64)
-            P = torch.eye(self.d, dtype=torch.float64) - one @ one.T
+            one = torch.full((self.d, 1), 1 / math.sqrt(self.d), dtype=torch.float64,
+                             device=X.device)
+            P = torch.eye(self.d, dtype=torch.float64, device=X.device) - one @ one.T
             X = P @ X @ P
         return self._rotate(params, torch.linalg.matrix_exp(X))
 
