@@ -466,9 +466,9 @@ def _setup(model: nn.Module, loss_fn: LossFn, batches: _Batches, geometry: Geome
            mp: ModelParallel | None = None) -> tuple[ModelGeometry, FeasibleSet]:
     check_finite_parameters(model, select_parameters(model, params))
     probed = _capture(model, loss_fn, batches, snap) if _needs_discovery(geometry) else None
-    geo = ModelGeometry(model, geometry, params=params, probed=probed)
-    if mp is not None:  # a sharded model: keep this rank's share of the packed points
-        geo = mp.shard(geo)
+    # a sharded model: this rank's share of the packed points only
+    make = ModelGeometry if mp is None else mp.geometry
+    geo = make(model, geometry, params=params, probed=probed)
     feasible = make_feasible(geometry.ball, geo.space, rho,
                              w2=None if geometry.ball == "metric" else geo.w2(),
                              horizontal=bool(geo.groups))

@@ -10,11 +10,10 @@ engine (see the "Model-parallel (FSDP2)" section of ``docs/distributed.md``):
    the model dimension is accepted (FSDP's `Shard(0)`, tensor parallel `Shard(1)`): the
    perturbation is not laid out like the weights but partitioned by heads and entries (below).
 2. **Base point.** Each parameter is all-gathered once (`DTensor.full_tensor`, in
-   `named_parameters` order on every rank) into a parameter-free copy of the module tree
-   (same classes, buffers and attributes; FSDP's hooks dropped). Discovery's probes and the
-   loss run on that copy, so the symmetries are those of the unsharded model.
-3. **Perturbation and ascent state.** The whole geometry is built once, then only this rank's
-   share of every packed factor is kept
+   `named_parameters` order on every rank) into a copy of the module tree that holds the
+   whole weights (same classes, buffers and attributes; FSDP's hooks dropped). Discovery's
+   probes and the loss run on that copy, so the symmetries are those of the unsharded model.
+3. **Perturbation and ascent state.** Only this rank's share of every packed factor is built
    ([`ShardedGeometry`][quotient_manifolds.sharpness.sharded_space.ShardedGeometry]): whole
    heads of every GL block group (so a head's $h\times h$ Gram never crosses ranks, whichever
    rows of $W_Q$ or $W_O$ FSDP put where) and a contiguous range of the adaptive entries. The
@@ -32,11 +31,13 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ShardedModelError
+from ..models.config import QuotientConfig
 from .distributed import Shard, ShardContext, resolve_shard
 from .sharded_space import ShardedGeometry
 
@@ -67,7 +68,7 @@ def sharded_parameters(model: nn.Module) -> list[str]:
 
 @dataclass
 class ModelParallel:
-    """A sharded model's layout, its parameter-free unsharded copy `module` and the groups."""
+    """A sharded model's groups and `module`, its unsharded copy holding the whole weights."""
 
     module: nn.Module
     group: object
@@ -76,9 +77,11 @@ class ModelParallel:
     data_group: object
     data_size: int
 
-    def shard(self, geo) -> ShardedGeometry:
-        """This rank's share of the geometry `geo` of `module`."""
-        return ShardedGeometry(geo, self.group, self.rank, self.size)
+    def geometry(self, model: nn.Module, geometry: QuotientConfig, **kw: Any
+                 ) -> ShardedGeometry:
+        """This rank's share of `ModelGeometry(model, geometry, **kw)` (`model`: `module`)."""
+        return ShardedGeometry(model, geometry, group=self.group, rank=self.rank,
+                               size=self.size, **kw)
 
     def context(self, shard: str | Shard | None) -> ShardContext:
         """The data-parallel context of the call: over the mesh's data dimension."""
@@ -202,8 +205,8 @@ def _unsharded(model: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def model_parallel(model: nn.Module, geometry=None, solver=None
-                   ) -> Iterator[ModelParallel | None]:
+def model_parallel(model: nn.Module, geometry: QuotientConfig | None = None,
+                   solver: object = None) -> Iterator[ModelParallel | None]:
     """`None` for an unsharded model; for a sharded one (see the module docstring), its
     [`ModelParallel`][quotient_manifolds.sharpness.sharded.ModelParallel] (the whole weights
     held for the duration of the block). Refuses what is not sharded: balls other than the
@@ -216,9 +219,10 @@ def model_parallel(model: nn.Module, geometry=None, solver=None
 
     from .solvers import APGD, Average
 
-    if geometry is not None and geometry.ball != "metric":
+    ball = getattr(geometry, "ball", "metric")  # a sharpness Geometry has one
+    if ball != "metric":
         raise ShardedModelError(
-            f"a model-parallel call measures in the metric ball; ball={geometry.ball!r} (and "
+            f"a model-parallel call measures in the metric ball; ball={ball!r} (and "
             "adaptive_sharpness) is not sharded: use geodesic_sharpness with "
             "Geometry(ball='metric'), or gather the model onto one process")
     if solver is not None and not isinstance(solver, (APGD, Average)):

@@ -30,14 +30,18 @@ same loss and the same full gradient; the backward of the gather keeps the rank'
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import ShardedModelError
 from ..manifolds.base import Generator, TangentSpace, standard_normal
 from ..manifolds.product import ProductTangentSpace
+from ..models.blocks import BlockSpec, gather_block
+from ..models.config import QuotientConfig
 from ..models.model_geometry import ModelGeometry
 from ..models.row_layout import RowLayout
 
@@ -48,6 +52,10 @@ def _dist():
     import torch.distributed as dist
 
     return dist
+
+
+def _backend(group) -> str:
+    return str(_dist().get_backend(group))
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,8 @@ class Partition:
     trailing: tuple[tuple[int, ...], ...]
 
     @staticmethod
-    def of(shapes: Sequence[tuple[int, ...]], group, rank: int, size: int) -> Partition:
+    def of(shapes: Sequence[tuple[int, ...]], group: object, rank: int, size: int
+           ) -> Partition:
         counts = tuple(tuple(int(t.shape[0]) for t in torch.tensor_split(
             torch.empty(sh[0], 0), size)) for sh in shapes)
         return Partition(group, rank, size, counts, tuple(tuple(sh[1:]) for sh in shapes))
@@ -176,49 +185,101 @@ class _GroupInfo:
     n: int
     m: int
     h: int
-    blocks: list
+    blocks: list[BlockSpec]
     x0: torch.Tensor
+
+
+def _share(n: int, rank: int, size: int) -> tuple[int, int]:
+    """Rank `rank`'s rows `[start, stop)` of `n` (`torch.tensor_split`'s shares)."""
+    q, r = divmod(n, size)
+    start = rank * q + min(rank, r)
+    return start, start + q + (1 if rank < r else 0)
 
 
 class ShardedGeometry(ModelGeometry):
     """The [`ModelGeometry`][quotient_manifolds.models.model_geometry.ModelGeometry] of a
-    model-parallel call: the same blocks, entries and base parameters as `full`, with this
-    rank's rows of the packed points only (see the module docstring). Built from the whole
-    geometry, which may be dropped afterwards."""
+    model-parallel call: the same blocks, entries and base parameters as one process's, with
+    this rank's rows of the packed points only (see the module docstring).
 
-    def __init__(self, full: ModelGeometry, group, rank: int, size: int) -> None:  # noqa: D107
-        # not ModelGeometry.__init__: everything but the packed points is `full`'s
-        self.geometry, self.selected, self.dtype = full.geometry, full.selected, full.dtype
-        self.symmetries, self.base, self.frozen = full.symmetries, full.base, full.frozen
-        self.blocks, self.fallbacks, self.claimed = full.blocks, full.fallbacks, full.claimed
-        self.entries, self.n_masked_zeros = full.entries, full.n_masked_zeros
-        self.adaptive, self.kinds = full.adaptive, full.kinds
-        self._point_buffer, self._point_origin = None, None
-        points = full.space.points()
-        shapes = [tuple(p.shape) for p in points]
-        self.part = Partition.of(shapes, group, rank, size)
-        local = [p[slice(*self.part.rows(k))].clone() for k, p in enumerate(points)]
-        spaces = [grp.manifold.at(x) for grp, x in zip(full.groups, local, strict=False)]
-        self.groups = [_GroupInfo(g.n, g.m, g.h, g.blocks,
-                                  torch.empty(tuple(g.x0.shape), device="meta"))
-                       for g in full.groups]
-        self.w0 = local[-1]
-        self.adaptive_space = self.adaptive.at(self.w0)
-        self.space = ShardedSpace(spaces + [self.adaptive_space], self.part, shapes,
-                                  full.space.labels, self.kinds)
+    The packed points are never built whole: a group's point is read block by block (only
+    the blocks with heads on this rank), the flat adaptive point parameter by parameter
+    (only the entries in this rank's range), and the tangent spaces (Grams, metric weights)
+    are made of these rows. A failure on one rank (e.g. a rank-deficient head) is raised on
+    every rank of the group.
+    """
+
+    def __init__(self, model: nn.Module, geometry: QuotientConfig, *, group: object,
+                 rank: int, size: int, **kw: Any) -> None:
+        self._mp = (group, rank, size)
+        error: BaseException | None = None
+        try:
+            super().__init__(model, geometry, **kw)
+        except BaseException as e:  # noqa: BLE001 - told to the other ranks, then raised
+            error = e
+        flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64,
+                            device=self._device() if error is None else "cpu")
+        if error is not None and flag.device.type == "cpu" and _backend(group) == "nccl":
+            flag = flag.cuda()
+        _dist().all_reduce(flag, group=group)
+        if error is not None:
+            raise error
+        if float(flag) > 0:
+            raise ShardedModelError(
+                f"{int(float(flag))} other rank(s) of the model-parallel group failed to set up "
+                "the geometry (the error is raised there in full); this rank stopped with it")
+        full_shapes = [(sum(b.heads for b in grp.blocks), grp.n + grp.m, grp.h)
+                       for grp in self.groups] + [(self._adaptive_total,)]
+        self.part = Partition.of(full_shapes, group, rank, size)
+        spaces = [grp.space for grp in self.groups] + [self.adaptive_space]
+        self.groups = [_GroupInfo(g.n, g.m, g.h, g.blocks, torch.empty(sh, device="meta"))
+                       for g, sh in zip(self.groups, full_shapes, strict=False)]
+        self.space = ShardedSpace(spaces, self.part, full_shapes, self.space.labels,
+                                  self.kinds)
+        kinds = {self.base[n].dtype for n in self.selected if self.base[n].is_floating_point()}
+        # the points are written into the weights in the weights' dtype: gathered in it when
+        # it is one (half the traffic and memory of float32 points for a bfloat16 model)
+        self.wire = kinds.pop() if len(kinds) == 1 else self.dtype
+
+    def _group_point(self, blocks: Sequence[BlockSpec]) -> torch.Tensor:
+        _, rank, size = self._mp
+        lo, hi = _share(sum(b.heads for b in blocks), rank, size)
+        rows, at = [], 0
+        for b in blocks:
+            a, z = max(lo, at), min(hi, at + b.heads)
+            if a < z:
+                rows.append(gather_block(b, self.base)[a - at:z - at].to(self.dtype))
+            at += b.heads
+        if rows:
+            return torch.cat(rows)
+        return torch.zeros(0, blocks[0].n + blocks[0].m, blocks[0].h, dtype=self.dtype,
+                           device=self._device())
+
+    def _flat_point(self, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+        _, rank, size = self._mp
+        self._adaptive_total = total = sum(int(p.numel()) for p in pieces)
+        lo, hi = _share(total, rank, size)
+        out, at = [], 0
+        for p in pieces:
+            a, z = max(lo, at), min(hi, at + p.numel())
+            if a < z:
+                out.append(p.reshape(-1)[a - at:z - at].to(self.dtype))
+            at += p.numel()
+        return torch.cat(out) if out else torch.zeros(0, dtype=self.dtype,
+                                                      device=self._device())
 
     def w2(self) -> torch.Tensor:
         raise ShardedModelError("a model-parallel call measures in the metric ball only "
                                 "(Geometry(ball='metric')); the adaptive-norm balls and "
                                 "adaptive_sharpness are not sharded")
 
-    def gather(self, params):  # noqa: D102 - the whole points; not used by the engine
+    def gather(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Not available: this geometry holds this rank's rows only."""
         raise ShardedModelError("ShardedGeometry holds this rank's rows only; use a "
                                 "ModelGeometry of the unsharded model to gather points")
 
     def full_points(self, points: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The whole points of every factor from this rank's (differentiable)."""
-        return list(_GatherPoints.apply(self.part, *points))
+        return list(_GatherPoints.apply(self.part, *(p.to(self.wire) for p in points)))
 
     def params_at(self, xi: torch.Tensor) -> dict[str, torch.Tensor]:
         """Every parameter at this rank's share `xi` of the perturbation and the other ranks'."""
@@ -234,7 +295,7 @@ class ShardedGeometry(ModelGeometry):
                                                         strict=True)]
         return self.to_params(self.full_points(points)), leaves
 
-    def row_layout(self, grads, *, max_fraction: float = 0.5, min_saving: float = 0.125
-                   ) -> None:
+    def row_layout(self, grads: Sequence[torch.Tensor | None], *, max_fraction: float = 0.5,
+                   min_saving: float = 0.125) -> None:
         """No restriction to active rows: every rank packs all its rows."""
         return None
