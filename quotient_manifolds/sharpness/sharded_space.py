@@ -227,6 +227,7 @@ class ShardedGeometry(ModelGeometry):
             raise ShardedModelError(
                 f"{int(float(flag))} other rank(s) of the model-parallel group failed to set up "
                 "the geometry (the error is raised there in full); this rank stopped with it")
+        self.claimed = {}  # the masks of the blocks' entries (1 B per weight): read, done
         full_shapes = [(sum(b.heads for b in grp.blocks), grp.n + grp.m, grp.h)
                        for grp in self.groups] + [(self._adaptive_total,)]
         self.part = Partition.of(full_shapes, group, rank, size)
