@@ -22,7 +22,7 @@ from quotient_manifolds.models.precision import float64_internals
 from quotient_manifolds.sharpness import measure
 
 sys.path.insert(0, os.path.dirname(__file__))
-from model_zoo import zoo_bert, zoo_llama  # noqa: E402
+from model_zoo import redraw_, zoo_bert, zoo_llama  # noqa: E402
 
 N_ITER = 4
 KEYS = ("per_batch", "base_loss", "max_loss", "perturbation_norm")
@@ -44,8 +44,21 @@ def _data(seed: int, bert: bool, n_batches: int = 2, bs: int = 2, seq: int = 6) 
     return out
 
 
+def llama_cut():
+    """3 heads of 8 and one key/value head on 2 ranks: FSDP's dim-0 shards of W_Q (24 rows),
+    W_K and W_V (8 rows) cut a head's rows between the ranks."""
+    from transformers import LlamaConfig, LlamaModel
+
+    cfg = LlamaConfig(hidden_size=24, num_hidden_layers=2, num_attention_heads=3,
+                      num_key_value_heads=1, intermediate_size=48, vocab_size=40,
+                      max_position_embeddings=32, attn_implementation="eager")
+    return redraw_(LlamaModel(cfg).double().eval(), seed=3)
+
+
 MODELS = {"llama": (zoo_llama, lambda m: list(m.layers), False),
-          "bert": (zoo_bert, lambda m: list(m.encoder.layer), True)}
+          "bert": (zoo_bert, lambda m: list(m.encoder.layer), True),
+          "llama_cut": (llama_cut, lambda m: list(m.layers), False)}
+ONLY = {"llama_cut": ("inv/worst", "mix/average")}  # the other cases run on the others
 
 
 def _cases(sym: qm.models.Symmetries | None = None) -> dict[str, dict]:
@@ -65,6 +78,8 @@ def _run(model, name: str, sym, shard=None) -> dict[str, dict]:
     out = {}
     with float64_internals():
         for case, kw in _cases(sym).items():
+            if case not in ONLY.get(name, (case,)):
+                continue
             out[case] = qm.geodesic_sharpness(model, _loss, _data(1, bert), rho=0.1,
                                               shard=shard, **kw).to_dict()
     return out
@@ -148,11 +163,15 @@ def _worker(rank: int, port: int, outdir: str, world: int, mesh_shape: tuple) ->
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
         res: dict = {}
         for name, (make, layers, _) in MODELS.items():
-            if len(mesh_shape) == 2 and name == "bert":
+            if len(mesh_shape) == 2 and name != "llama":
                 continue
             model = make()
             model = _shard(model, layers(model), mesh)
             before = _local(model)
+            attn = model.layers[0].self_attn if name != "bert" else None
+            if attn is not None:
+                res[f"{name}/rows"] = {k: getattr(attn, k).weight.to_local().shape[0]
+                                       for k in ("q_proj", "k_proj", "v_proj")}
             if len(mesh_shape) == 1:
                 sym = _symmetries(model, name)
                 res[f"{name}/sym"] = _sym_key(sym)
@@ -227,7 +246,7 @@ def _close(got: dict, want: dict, what: str) -> None:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_sharded_equals_one_process(two, name):
     ranks, single = two
-    for case in _cases():
+    for case in ONLY.get(name, tuple(_cases())):
         want = single[f"{name}/run"][case]
         assert want["per_batch"] and all(abs(v) > 1e-6 for v in want["per_batch"]), case
         for r, res in enumerate(ranks):
@@ -246,6 +265,17 @@ def test_discovery_on_the_sharded_model(two, name):
     for res in ranks:
         _close(res[f"{name}/discovered"], single[f"{name}/run"]["inv/worst"], name)
     assert "(BlockSpec(kind='attention.qk'" in single[f"{name}/sym"]  # GL blocks found
+
+
+def test_heads_cut_by_fsdp_rows(two):
+    """FSDP put rows of one head's W_Q / W_K on different ranks; the heads of the geometry are
+    whole on one rank each, and the value is one process's."""
+    ranks, single = two
+    for r in ranks:  # 12 of W_Q's 24 rows (head 1: rows 8..15), 4 of W_K's 8 on each rank
+        assert r["llama_cut/rows"] == {"q_proj": 12, "k_proj": 4, "v_proj": 4}
+    for case in ONLY["llama_cut"]:
+        for r in ranks:
+            _close(r["llama_cut/run"][case], single["llama_cut/run"][case], case)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
