@@ -236,10 +236,11 @@ class ShardedGeometry(ModelGeometry):
                        for g, sh in zip(self.groups, full_shapes, strict=False)]
         self.space = ShardedSpace(spaces, self.part, full_shapes, self.space.labels,
                                   self.kinds)
-        kinds = {self.base[n].dtype for n in self.selected if self.base[n].is_floating_point()}
+        dtypes = {self.base[n].dtype for n in self.selected
+                  if self.base[n].is_floating_point()}
         # the points are written into the weights in the weights' dtype: gathered in it when
         # it is one (half the traffic and memory of float32 points for a bfloat16 model)
-        self.wire = kinds.pop() if len(kinds) == 1 else self.dtype
+        self.wire = dtypes.pop() if len(dtypes) == 1 else self.dtype
 
     def _group_point(self, blocks: Sequence[BlockSpec]) -> torch.Tensor:
         _, rank, size = self._mp
