@@ -85,6 +85,16 @@ def _run(model, name: str, sym, shard=None) -> dict[str, dict]:
     return out
 
 
+def _bf16(model=None, mesh=None) -> dict:
+    """The tiny Llama in bfloat16 with a float32 ascent state (the wire dtype of the gather
+    is the weights'): one worst-case call."""
+    model = zoo_llama().to(torch.bfloat16) if model is None else model
+    if mesh is not None:
+        model = _shard(model, list(model.layers), mesh)
+    return qm.geodesic_sharpness(model, _loss, _data(1, False), rho=0.1, n_iter=3,
+                                 geometry=qm.Geometry(half="float32")).to_dict()
+
+
 def _symmetries(model, name: str):
     g = measure("geodesic-inv-complete").geometry
     with float64_internals():
@@ -190,6 +200,8 @@ def _worker(rank: int, port: int, outdir: str, world: int, mesh_shape: tuple) ->
             after = _local(model)
             res[f"{name}/restored"] = all(torch.equal(before[k], after[k]) for k in before)
             res[f"{name}/grads"] = all(p.grad is None for p in model.parameters())
+        if len(mesh_shape) == 1:
+            res["bf16"] = _bf16(zoo_llama().to(torch.bfloat16), mesh)
         torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -210,6 +222,8 @@ def _single(names: tuple[str, ...]) -> dict:
         sym = _symmetries(model, name)
         out[f"{name}/sym"] = _sym_key(sym)
         out[f"{name}/run"] = _run(model, name, sym)
+    if "bert" in names:  # the 2-rank run
+        out["bf16"] = _bf16()
     return out
 
 
@@ -291,6 +305,17 @@ def test_state_and_bad_input(two, name):
                                                "model sharded over a 1-D mesh"), faults
         assert faults["geoopt"].startswith("ShardedModelError: a model-parallel call runs "
                                            "APGD or Average"), faults
+
+
+def test_bfloat16_weights_float32_state(two):
+    ranks, single = two
+    want = single["bf16"]
+    for r in ranks:
+        got = r["bf16"]
+        assert got["settings"]["model_parallel"] == 2
+        for key in KEYS:
+            for x, y in zip(got[key], want[key], strict=True):
+                assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-6), (key, x, y)
 
 
 @pytest.mark.slow
