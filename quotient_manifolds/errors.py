@@ -21,6 +21,7 @@ __all__ = [
     "SubalgebraError",
     "ExampleInputError",
     "DistributedError",
+    "ShardedModelError",
     "PopulationInputError",
     "NonFiniteWeightError",
     "MissingDependencyError",
@@ -131,6 +132,15 @@ class DistributedError(QuotientManifoldError, RuntimeError):
 
     E.g. they hold different models, or a batch cannot be sliced along its first
     dimension (``shard="within_batch"``); see ``docs/distributed.md``.
+    """
+
+
+class ShardedModelError(DistributedError):
+    """A model whose parameters are sharded (``torch.distributed.fsdp.fully_shard`` or
+    DTensor) cannot be measured as laid out: e.g. a mesh of more than two dimensions, parameters
+    on different meshes, the old ``FullyShardedDataParallel`` wrapper, or data parallelism
+    requested without a data dimension in the mesh; see the "Model-parallel (FSDP2)" section
+    of ``docs/distributed.md``.
     """
 
 

@@ -25,6 +25,7 @@ A parameter replaced or a mode switched by user code is restored and also raises
 from __future__ import annotations
 
 import random
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,9 +66,20 @@ def _numpy() -> Any:
     return sys.modules.get("numpy")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a sharded parameter of ``fully_shard``), else `t`: a
+    fingerprint is of what this process holds, and computing it calls no collective."""
+    dt = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before its import
+    if dt is not None and isinstance(t, dt.DTensor):
+        return t.to_local()
+    return t
+
+
 def fingerprint(t: torch.Tensor) -> tuple[float, float]:
     """The float64 sums of $t$ and $t^2$ (of $|t|$ for complex $t$): what detects a write, and
-    what ranks compare to find out that they hold different tensors."""
+    what ranks compare to find out that they hold different tensors. Of a DTensor, the sums of
+    this rank's shard (no collective)."""
+    t = _local(t)
     if t.is_meta or t.numel() == 0:
         return (0.0, 0.0)
     with torch.no_grad():

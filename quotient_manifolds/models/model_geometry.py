@@ -192,7 +192,8 @@ def _adaptive_entries(selected: Sequence[str], base: Mapping[str, torch.Tensor],
                       adaptive_eps: float, dtype: torch.dtype
                       ) -> tuple[list[AdaptiveEntry], list[torch.Tensor], int]:
     """The free entries of every selected parameter outside the blocks and the folds' frozen
-    entries, their values, and the number of zero weights that cannot move."""
+    entries, their values (in the parameters' dtype), and the number of zero weights that
+    cannot move."""
     entries, pieces, start, masked = [], [], 0, 0
     for name in selected:
         w = base[name]
@@ -217,9 +218,21 @@ def _adaptive_entries(selected: Sequence[str], base: Mapping[str, torch.Tensor],
         else:
             continue
         entries.append(AdaptiveEntry(name, start, start + vals.numel(), idx))
-        pieces.append(vals.to(dtype))
+        pieces.append(vals)
         start += vals.numel()
     return entries, pieces, masked
+
+
+def _group_point(geo: ModelGeometry, blocks: Sequence[BlockSpec]) -> torch.Tensor:
+    """The packed base point `(heads, n + m, h)` of a group's blocks."""
+    return torch.cat([gather_block(b, geo.base).to(geo.dtype) for b in blocks])
+
+
+def _flat_point(geo: ModelGeometry, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The flat adaptive base point from the free entries of every parameter."""
+    if not pieces:
+        return torch.zeros(0, dtype=geo.dtype, device=geo._device())
+    return torch.cat([p.to(geo.dtype) for p in pieces])
 
 
 @dataclass
@@ -353,8 +366,7 @@ class ModelGeometry:
         self.groups = self._build_groups()
         self.entries, pieces, self.n_masked_zeros = _adaptive_entries(
             self.selected, self.base, self.claimed, self.frozen, g.adaptive_eps, self.dtype)
-        self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype,
-                                                               device=self._device())
+        self.w0 = self._flat_point(pieces)
         self.adaptive, self.adaptive_space, self.translations = adaptive_space(
             g, self.w0, translations, self.base, self.entries, self.dtype)
         self._point_buffer: torch.Tensor | None = None
@@ -373,7 +385,7 @@ class ModelGeometry:
         groups = []
         for (n, m, h, sub), blocks in by_shape.items():
             assert g.metric is not None  # metric=None discovers no blocks
-            x0 = torch.cat([gather_block(b, self.base).to(self.dtype) for b in blocks])
+            x0 = self._group_point(blocks)
             man = GLQuotient(n, m, g.metric, g.eps, g.retraction, validate=False,
                              steps=g.exact_steps, subalgebra=sub)
             try:
@@ -383,6 +395,8 @@ class ModelGeometry:
                     blocks, self.base, g, self.dtype, str(e))) from None
             groups.append(BlockGroup(n, m, h, blocks, man, space))
         return groups
+
+    _group_point, _flat_point = _group_point, _flat_point  # a subclass may keep some rows
 
     def _device(self) -> torch.device:
         """Device of the model's parameters (CPU for a model without any)."""

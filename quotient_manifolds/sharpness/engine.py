@@ -65,6 +65,7 @@ from .guards import (
     zero_gradient_blocks,
 )
 from .result import SharpnessResult
+from .sharded import ModelParallel, model_parallel
 from .solvers import APGD, Solver
 
 __all__ = ["geodesic_sharpness", "adaptive_sharpness", "symmetries_of", "LossFn", "Solver"]
@@ -424,11 +425,14 @@ def symmetries_of(model: nn.Module, loss_fn: LossFn, data: Iterable, *,
     check_data(data)
     with preserved(model) as snap:
         model.eval()
-        probed = _capture(model, loss_fn, _Batches(data), snap)
-        return discovery_cache.discover(
-            model, symmetry=geometry.symmetry, declared=geometry.declared,
-            example_inputs=probed.inputs, loss_fn=None if probed.loss is None else probed.loss[0],
-            batch=None if probed.loss is None else probed.loss[1])
+        with model_parallel(model) as mp:
+            target = model if mp is None else mp.module  # a sharded model: its whole weights
+            probed = _capture(target, loss_fn, _Batches(data), snap)
+            return discovery_cache.discover(
+                target, symmetry=geometry.symmetry, declared=geometry.declared,
+                example_inputs=probed.inputs,
+                loss_fn=None if probed.loss is None else probed.loss[0],
+                batch=None if probed.loss is None else probed.loss[1])
 
 
 # -- driver -------------------------------------------------------------------------
@@ -441,8 +445,10 @@ def _sharpness(model: nn.Module, loss_fn: LossFn, data: Iterable, rho: float,
     ctx = _shard_context(shard)
     with preserved(model) as snap:
         model.eval()
-        result, notes = _measure(model, loss_fn, _Batches(data), rho, geometry, solver,
-                                 params, ctx, snap, t0)
+        with model_parallel(model, geometry, solver) as mp:  # None unless model is sharded
+            target, ctx = (model, ctx) if mp is None else (mp.module, mp.context(shard))
+            result, notes = _measure(target, loss_fn, _Batches(data), rho, geometry, solver,
+                                     params, ctx, snap, t0, mp)
     for note in notes:
         warnings.warn(note, ZeroGradientWarning, stacklevel=3)
     return result
@@ -457,11 +463,13 @@ def _shard_context(shard: str | Shard | None) -> ShardContext:
 
 
 def _setup(model: nn.Module, loss_fn: LossFn, batches: _Batches, geometry: Geometry,
-           params: ParamSelection, snap: ModelSnapshot, rho: float
-           ) -> tuple[ModelGeometry, FeasibleSet]:
+           params: ParamSelection, snap: ModelSnapshot, rho: float,
+           mp: ModelParallel | None = None) -> tuple[ModelGeometry, FeasibleSet]:
     check_finite_parameters(model, select_parameters(model, params))
     probed = _capture(model, loss_fn, batches, snap) if _needs_discovery(geometry) else None
-    geo = ModelGeometry(model, geometry, params=params, probed=probed)
+    # a sharded model: this rank's share of the packed points only
+    make = ModelGeometry if mp is None else mp.geometry
+    geo = make(model, geometry, params=params, probed=probed)
     feasible = make_feasible(geometry.ball, geo.space, rho,
                              w2=None if geometry.ball == "metric" else geo.w2(),
                              horizontal=bool(geo.groups))
@@ -470,10 +478,11 @@ def _setup(model: nn.Module, loss_fn: LossFn, batches: _Batches, geometry: Geome
 
 def _measure(model: nn.Module, loss_fn: LossFn, batches: _Batches, rho: float,
              geometry: Geometry, solver: Solver, params: ParamSelection, ctx: ShardContext,
-             snap: ModelSnapshot, t0: float) -> tuple[SharpnessResult, list[str]]:
+             snap: ModelSnapshot, t0: float, mp: ModelParallel | None = None
+             ) -> tuple[SharpnessResult, list[str]]:
     setup: tuple[ModelGeometry, FeasibleSet] | None = None
     try:
-        setup = _setup(model, loss_fn, batches, geometry, params, snap, rho)
+        setup = _setup(model, loss_fn, batches, geometry, params, snap, rho, mp)
     except Exception as e:
         if not ctx.active:
             raise
@@ -542,6 +551,8 @@ def _measure(model: nn.Module, loss_fn: LossFn, batches: _Batches, rho: float,
         done, per, base_l, max_l, pnorm, norms = (list(c) for c in zip(*recs, strict=True)) \
             if recs else ([], [], [], [], [], [])
         settings = {**settings, "shard": ctx.mode, "world_size": ctx.world_size}
+    if mp is not None:
+        settings = {**settings, **mp.settings()}
     if not per:
         raise EmptyDataError(
             "data yielded no batch; pass a non-empty iterable of batches "
