@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_registry_names():
     assert list(registry.EXPERIMENTS) == ["diagonal", "toy", "invariance", "grokking",
                                           "vit-digits", "lora-minilm", "smollm2",
-                                          "minilm-finetune", "vit-finetune"]
+                                          "minilm-finetune", "vit-finetune", "seed-finetune",
+                                          "minilm-soup"]
     assert callable(registry.load("toy"))
     with pytest.raises(ValueError, match="unknown experiment"):
         registry.load("imagenet")
@@ -60,7 +61,7 @@ def test_all_runs_every_experiment_in_order(monkeypatch):
     res = registry.run_experiments(["toy", "all"], "OUT", quick=True, progress=False)
     assert [c[0] for c in calls] == ["toy", "diagonal", "invariance", "grokking", "vit-digits",
                                      "lora-minilm", "smollm2", "minilm-finetune",
-                                     "vit-finetune"]
+                                     "vit-finetune", "seed-finetune", "minilm-soup"]
     assert all(c[1:] == ("OUT", True, False) for c in calls)
     assert all(r["wall_s"] >= 0 for r in res.values())
     table = registry.combined_table(res)

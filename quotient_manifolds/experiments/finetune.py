@@ -310,6 +310,13 @@ class FinetuneExperiment(PopulationExperiment):
     float64: bool = False
     seed: int = 0
     params_doc: str = "every parameter"
+    #: the keys of `SWEEP_MEASURES` that are measured (default: `DEFAULT_SWEEP`)
+    sweep_names: tuple[str, ...] | None = None
+
+    def _sweep_names(self) -> tuple[str, ...]:
+        from .rho_sweep import DEFAULT_SWEEP
+
+        return DEFAULT_SWEEP if self.sweep_names is None else tuple(self.sweep_names)
 
     def design(self, quick: bool) -> list[DesignPoint]:
         """The population's members, in training order (an
@@ -352,7 +359,7 @@ class FinetuneExperiment(PopulationExperiment):
             SWEEP_MEASURES,
         )
 
-        return {"measures": {k: list(v) for k, v in SWEEP_MEASURES.items()},
+        return {"measures": {k: list(SWEEP_MEASURES[k]) for k in self._sweep_names()},
                 "calibration": {"measures": CALIBRATION_MEASURES, "target": CALIBRATION_TARGET,
                                 "grid": list(RHO_CANDIDATES), "member": "first converged"},
                 "factors": list(RHO_FACTORS), "average_rho": "rho (per direction, calibrated)",
@@ -407,10 +414,11 @@ class FinetuneExperiment(PopulationExperiment):
         cal = self.calibration(ctx, store, members, mhash, quick)
         ctx["calibration"] = cal
         radii = sweep_radii(cal)
+        names = self._sweep_names()
         settings = SweepSettings(radii=radii, n_iter=self.quick_n_iter if quick else self.n_iter,
-                                 seed=self.seed, params=self.params(quick),
+                                 seed=self.seed, names=names, params=self.params(quick),
                                  float64=self.float64)
-        total = len(members) * sum(len(radii[fam]) for _, fam in SWEEP_MEASURES.values())
+        total = len(members) * sum(len(radii[SWEEP_MEASURES[k][1]]) for k in names)
         bar = tqdm(total=total, desc=f"{self.name}: sharpness", file=sys.stderr,
                    disable=not progress)
         for m in members:

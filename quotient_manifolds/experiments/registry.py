@@ -43,6 +43,8 @@ EXPERIMENTS: dict[str, str] = {
     "smollm2": "smollm2",
     "minilm-finetune": "minilm_finetune",
     "vit-finetune": "vit_finetune",
+    "seed-finetune": "seed_finetune",
+    "minilm-soup": "minilm_soup",
 }
 
 

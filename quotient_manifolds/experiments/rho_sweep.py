@@ -42,6 +42,8 @@ from .stats import conditional_tau, granulated, kendall_tau
 __all__ = [
     "CALIBRATION_MEASURES",
     "CALIBRATION_TARGET",
+    "DEFAULT_SWEEP",
+    "PAPER_COMPLETE_SWEEP",
     "RHO_CANDIDATES",
     "RHO_FACTORS",
     "SWEEP_MEASURES",
@@ -55,8 +57,9 @@ __all__ = [
 
 #: result key -> (name in the measure table `quotient_manifolds.sharpness.measures.MEASURES`,
 #: norm family whose calibrated radius it uses). Keys with `full` are the full-symmetry
-#: measures; `adaptive_metric` is the adaptive baseline solved by the Riemannian step (the
-#: solver of the geodesic measures), `adaptive` the reference solver.
+#: measures, keys with `complete` the complete-symmetry ones; `adaptive_metric` is the
+#: adaptive baseline solved by the Riemannian step (the solver of the geodesic measures),
+#: `adaptive` the reference solver.
 SWEEP_MEASURES: dict[str, tuple[str, str]] = {
     "adaptive": ("adaptive", "adaptive"),
     "adaptive_metric": ("adaptive-metric", "adaptive"),
@@ -69,7 +72,20 @@ SWEEP_MEASURES: dict[str, tuple[str, str]] = {
     "geodesic_mix_average": ("geodesic-mix-average", "mix_average"),
     "geodesic_inv_full_average": ("geodesic-inv-full-average", "inv_average"),
     "geodesic_mix_full_average": ("geodesic-mix-full-average", "mix_average"),
+    "geodesic_inv_complete": ("geodesic-inv-complete", "inv"),
+    "geodesic_mix_complete": ("geodesic-mix-complete", "mix"),
+    "geodesic_inv_complete_average": ("geodesic-inv-complete-average", "inv_average"),
+    "geodesic_mix_complete_average": ("geodesic-mix-complete-average", "mix_average"),
 }
+#: the measures of the first two fine-tuned populations (`minilm-finetune`, `vit-finetune`):
+#: every key above but the complete-symmetry ones (their measure protocol, and its hash)
+DEFAULT_SWEEP = tuple(k for k in SWEEP_MEASURES if "complete" not in k)
+#: the measures asked of the seed-only and soup populations: adaptive, the paper's geodesic
+#: measure (GL(h) per head) and the complete-symmetry one, worst and average case
+PAPER_COMPLETE_SWEEP = ("adaptive", "geodesic_inv", "geodesic_mix", "geodesic_inv_complete",
+                        "geodesic_mix_complete", "adaptive_average", "geodesic_inv_average",
+                        "geodesic_mix_average", "geodesic_inv_complete_average",
+                        "geodesic_mix_complete_average")
 #: the measure whose loss increase calibrates each family's radius: the worst case of each
 #: norm, and the average case of each norm on its own (its ρ is the standard deviation per
 #: direction, a different scale)
@@ -168,7 +184,7 @@ class SweepSettings:
     seed : int
         Seed of the samples.
     names : tuple of str
-        Keys of `SWEEP_MEASURES` to compute (default: all).
+        Keys of `SWEEP_MEASURES` to compute (default: `DEFAULT_SWEEP`).
     params : callable, optional
         The perturbed weights, a predicate `(name, parameter) -> bool` (None: those with
         `requires_grad`).
@@ -179,7 +195,7 @@ class SweepSettings:
     radii: Mapping[str, Sequence[float]]
     n_iter: int
     seed: int = 0
-    names: tuple[str, ...] = tuple(SWEEP_MEASURES)
+    names: tuple[str, ...] = DEFAULT_SWEEP
     params: ParamSelection = None
     float64: bool = False
 
@@ -362,7 +378,8 @@ def finish_sweep(
     res["radii"] = radii
     out_dir.mkdir(parents=True, exist_ok=True)
     worst = [n for n in ("adaptive", "adaptive_metric", "geodesic_inv", "geodesic_mix",
-                         "geodesic_inv_full", "geodesic_mix_full") if n in res["measures"]]
+                         "geodesic_inv_full", "geodesic_mix_full", "geodesic_inv_complete",
+                         "geodesic_mix_complete") if n in res["measures"]]
     figs = [scatter_figure(res, out_dir / "scatter.png", worst),
             tau_rho_figure(res, out_dir / "tau_vs_rho.png", reference=primary)]
     return write_results(out_dir, res, figs)
