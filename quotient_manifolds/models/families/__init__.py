@@ -12,12 +12,13 @@ from ..symmetry import SymmetryFamily
 from .attention import Attention, rope_pairs
 from .bias import BiasTranslations, KeyBiasFold, ValueBiasFold
 from .centring import CentringFold, LayerNormCentring, ReaderCentringFold
-from .embeddings import EmbeddingShiftFold, EmbeddingShifts, TiedEmbeddingShiftFold
+from .embeddings import EmbeddingShiftFold, EmbeddingShifts, PadShiftFold, TiedEmbeddingShiftFold
 from .lora import LoRA
 from .mlp import Neurons
 from .norm_gain import NormGainFold, NormGains
 from .norm_shift import NormShiftFold, NormShifts
 from .qk_norm import QKNorms, QKNormScaleFold
+from .relu_pairs import HomogeneousPairs
 from .rotation import ResidualRotations, RotationFold
 from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
 
@@ -28,6 +29,7 @@ __all__ = [
     "CentringFold",
     "EmbeddingShiftFold",
     "EmbeddingShifts",
+    "HomogeneousPairs",
     "LayerNormCentring",
     "ReaderCentringFold",
     "ResidualRotations",
@@ -42,6 +44,7 @@ __all__ = [
     "NormGains",
     "NormShiftFold",
     "NormShifts",
+    "PadShiftFold",
     "QKNormScaleFold",
     "QKNorms",
     "ValueBiasFold",
@@ -53,6 +56,7 @@ FAMILIES: list[SymmetryFamily] = [
     LoRA(),
     Attention(),
     Neurons(),
+    HomogeneousPairs(),
     QKNorms(),
     NormGains(),
     NormShifts(),
