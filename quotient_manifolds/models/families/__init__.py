@@ -21,6 +21,7 @@ from .qk_norm import QKNorms, QKNormScaleFold
 from .relu_pairs import HomogeneousPairs
 from .rotation import ResidualRotations, RotationFold
 from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
+from .token_shifts import SliceShiftFold, TokenShifts
 
 __all__ = [
     "FAMILIES",
@@ -34,6 +35,7 @@ __all__ = [
     "ReaderCentringFold",
     "ResidualRotations",
     "RotationFold",
+    "SliceShiftFold",
     "SoftmaxShift",
     "SoftmaxShiftFold",
     "TiedEmbeddingShiftFold",
@@ -47,6 +49,7 @@ __all__ = [
     "PadShiftFold",
     "QKNormScaleFold",
     "QKNorms",
+    "TokenShifts",
     "ValueBiasFold",
     "register_family",
     "rope_pairs",
@@ -63,6 +66,7 @@ FAMILIES: list[SymmetryFamily] = [
     BiasTranslations(),
     LayerNormCentring(),
     EmbeddingShifts(),
+    TokenShifts(),
     SoftmaxShift(),
     ResidualRotations(),
 ]
