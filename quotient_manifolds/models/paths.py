@@ -16,11 +16,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .linear import storage
+from .linear import Consumer, linear_layer, storage
 from .precision import float64_internals, no_fastpath
 from .prober import Prober, output_tensors
 
-__all__ = ["feeds_only", "reaches_only", "shift_readers"]
+__all__ = ["feeds_only", "pooled_readers", "reaches_only", "shift_readers"]
 
 
 def _outputs(p: Prober, out: object) -> list[torch.Tensor]:
@@ -156,3 +156,25 @@ def shift_readers(p: Prober, module: str, readers: Sequence[str]) -> list[str]:
                 -1:] == t.shape and bool((new - x - t).abs().max() <= 1e-10 * float(t.abs().max())):
             out.append(n)
     return out
+
+
+def pooled_readers(p: Prober, norm: str, d: int) -> tuple[list[Consumer], list[str]]:
+    """The linear maps of input width `d` called after `norm` that read its output through a
+    map commuting with a shift along the features
+    ([`shift_readers`][quotient_manifolds.models.paths.shift_readers]: a mean pooling before a
+    classifier head), as [`Consumer`][quotient_manifolds.models.linear.Consumer]s, and their
+    modules. For a norm that no linear map reads directly."""
+    later, started = [], False
+    for c in p.calls:
+        started = started or c.name == norm
+        lin = linear_layer(p.modules[c.name])
+        if started and lin is not None and lin.in_features == d and c.name not in later:
+            later.append(c.name)
+    mods = shift_readers(p, norm, later) if later else []
+    cons = []
+    for n in mods:
+        lin = linear_layer(p.modules[n])
+        assert lin is not None
+        cons.append(Consumer(p.name(lin.weight), 0 if lin.transposed else 1, 0, -1,
+                             p.pname(lin.bias)))
+    return cons, mods

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..linear import Consumer, ReadQuery, linear_layer, readers_of, storage
 from ..norms import any_norm, is_norm, norm_bias, norm_offset, norm_weight
-from ..paths import feeds_only, shift_readers
+from ..paths import feeds_only, pooled_readers
 from ..precision import run_module
 from ..prober import Prober
 from ..symmetry import Centring, Fold, Scene, SymmetryFamily, random_normal, rms
@@ -217,25 +217,6 @@ def _writer_params(p: Prober, name: str, m: nn.Module, d: int) -> list[tuple[str
     return out
 
 
-def _pooled(p: Prober, norm: str, d: int) -> list[Consumer]:
-    """The linear maps of input width `d` after `norm` that read its output through a map
-    commuting with a shift along the features (a mean pooling), when no linear map reads the
-    output itself."""
-    later, started = [], False
-    for c in p.calls:
-        started = started or c.name == norm
-        lin = linear_layer(p.modules[c.name])
-        if started and lin is not None and lin.in_features == d and c.name not in later:
-            later.append(c.name)
-    out = []
-    for n in shift_readers(p, norm, later) if later else []:
-        lin = linear_layer(p.modules[n])
-        assert lin is not None
-        out.append(Consumer(p.name(lin.weight), 0 if lin.transposed else 1, 0, -1,
-                            p.pname(lin.bias)))
-    return out
-
-
 class LayerNormCentring(SymmetryFamily):
     """Writers into LayerNorms and readers of LayerNorm outputs (see the module docstring)."""
 
@@ -292,7 +273,7 @@ class LayerNormCentring(SymmetryFamily):
             found = readers_of(calls, ReadQuery(storage(call.out), d, p.name, p.pname))
             if not found:
                 continue
-            consumers = found[0] or _pooled(p, name, d)
+            consumers = found[0] or pooled_readers(p, name, d)[0]
             gain, shift = p.name(norm_weight(m)), p.pname(norm_bias(m))
             for cons in consumers:
                 if shift is not None and cons.bias is None:
