@@ -128,6 +128,23 @@ def test_mean_pooled_reader_centring_by_hand(norm_first):
     _check(model, moved, _torch_data(), _torch_loss, _torch_out)
 
 
+def test_mean_pooled_norm_gain_by_hand():
+    """The last norm's gain and shift times c (per unit), the head's columns over c: the head
+    reads the norm through the mean over the sequence (the complete group's norm gains see
+    through it). A unit scaling, to which the full measure's elementwise metric is blind
+    already: only the complete measure is compared."""
+    model = torch_encoder(False)
+    moved, P = _edit(model)
+    c = torch.exp(_randn(8, seed=65)) * torch.sign(_randn(8, seed=66))
+    with torch.no_grad():
+        P["encoder.layers.1.norm2.weight"].mul_(c)
+        P["encoder.layers.1.norm2.bias"].mul_(c)
+        P["head.weight"].div_(c[None, :])
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out, full_moves=False)
+    sym = qm.discover(model, symmetry="complete", warn=False, example_inputs=torch_inputs())
+    assert any(f.kind == "norm_gain" and f.module == "encoder.layers.1.norm2" for f in sym.folds)
+
+
 # -- RoBERTa: the padding pair ---------------------------------------------------------------------
 def test_roberta_padding_pair_shift_by_hand():
     """word[pad] + s, position[pad] - s: a token sits at position pad exactly when it is the pad
@@ -155,7 +172,8 @@ def test_roberta_whole_table_shift_fixes_the_first_read_row():
     model = ZOO["roberta"]()
     pad = model.config.pad_token_id
     sym = qm.discover(model, symmetry="complete", warn=False)
-    w, p = "roberta.embeddings.word_embeddings.weight", "roberta.embeddings.position_embeddings.weight"
+    e = "roberta.embeddings."
+    w, p = e + "word_embeddings.weight", e + "position_embeddings.weight"
     moved, P = _edit(model)
     with torch.no_grad():
         t, s = _randn(8, seed=63, scale=2.0), _randn(8, seed=64, scale=2.0)

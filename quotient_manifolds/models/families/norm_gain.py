@@ -166,8 +166,8 @@ class NormGains(SymmetryFamily):
             if call.out.shape[-1] != d:
                 continue
             found = readers_of(readers, ReadQuery(storage(call.out), d, p.name, p.pname))
-            if found is not None and not found[0]:  # read through a mean pooling, or not at all
-                found = pooled_readers(p, call.name, d)
+            if found is not None and not found[0] and scene.symmetry == "complete":
+                found = pooled_readers(p, call.name, d)  # read through a mean pooling
             if found is None or not found[0]:
                 continue  # read by an unknown module, or by no linear map: not a pre-norm
             self._propose(scene, p, call.name, m, found, call.args, call.kwargs)
