@@ -15,7 +15,7 @@ $$
 where $E_U$ are the coordinate directions of the entries no output reads (columns of $J$ that
 are identically zero: embedding rows of tokens no input holds, dead units). A third category is
 kept apart from both: **near-flat** directions, the scalings of a norm's input by its writers
-([`near_flat`][quotient_manifolds.models.near_flat.near_flat]), which the audit constructs and
+(`quotient_manifolds.models.near_flat`), which the audit constructs and
 verifies itself (exact at $\varepsilon = 0$, inside the measured kernel at the model's
 $\varepsilon$); they are no symmetry, are not claimed by the measure, and are reported with
 their norm rather than counted as unexplained. The audit computes
