@@ -145,6 +145,21 @@ def test_mean_pooled_norm_gain_by_hand():
     assert any(f.kind == "norm_gain" and f.module == "encoder.layers.1.norm2" for f in sym.folds)
 
 
+def test_post_norm_embedding_table_shift_by_hand():
+    """The token table read directly by the first post-norm block: (E + 1 t^T, in_proj biases
+    - W t, out_proj bias - t) keeps the first norm's input (the analogue of the post-norm
+    shift, with the table in place of a norm's shift)."""
+    model = torch_encoder(False)
+    moved, P = _edit(model)
+    t = _randn(8, seed=67, scale=3.0)
+    a = "encoder.layers.0.self_attn."
+    with torch.no_grad():
+        P["emb.weight"].add_(t)
+        P[a + "in_proj_bias"].sub_(P[a + "in_proj_weight"] @ t)
+        P[a + "out_proj.bias"].sub_(t)
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out)
+
+
 # -- RoBERTa: the padding pair ---------------------------------------------------------------------
 def test_roberta_padding_pair_shift_by_hand():
     """word[pad] + s, position[pad] - s: a token sits at position pad exactly when it is the pad
