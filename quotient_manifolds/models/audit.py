@@ -13,8 +13,13 @@ $$
 $$
 
 where $E_U$ are the coordinate directions of the entries no output reads (columns of $J$ that
-are identically zero: embedding rows of tokens no input holds, dead units). The audit computes
-the three numbers exactly on small models (a singular value decomposition of $J$ in float64,
+are identically zero: embedding rows of tokens no input holds, dead units). A third category is
+kept apart from both: **near-flat** directions, the scalings of a norm's input by its writers
+(`quotient_manifolds.models.near_flat`), which the audit constructs and
+verifies itself (exact at $\varepsilon = 0$, inside the measured kernel at the model's
+$\varepsilon$); they are no symmetry, are not claimed by the measure, and are reported with
+their norm rather than counted as unexplained. The audit computes
+the numbers exactly on small models (a singular value decomposition of $J$ in float64,
 with the spectral gap reported) and attributes the unexplained flat directions to parameters.
 On large models it runs per module (the symmetries within each module only) and says so.
 
@@ -42,8 +47,9 @@ from .inputs import (
     normalize_inputs,
     signature_names,
 )
+from .near_flat import NearFlat, near_flat
 from .precision import float64_copy, float64_internals, no_fastpath
-from .prober import output_tensors
+from .prober import Prober, output_tensors
 from .records import Symmetries
 
 __all__ = ["AuditReport", "audit"]
@@ -74,7 +80,8 @@ class AuditReport:
     unused : int
         Flat directions not claimed that are entries no output reads.
     unexplained : int
-        `flat - rank[claimed, unused]`: flat directions no claimed symmetry explains.
+        `flat - rank[claimed, unused, near-flat]`: flat directions no claimed symmetry
+        explains.
     violation : float
         $\\max_j \\|J v_j\\| / (\\|J\\|_2 \\|v_j\\|)$ over the claimed orbit tangents (near 0 when
         every claim is flat).
@@ -88,6 +95,13 @@ class AuditReport:
         Kind of candidate (`"attention.qk"`, `"norm_gain"`, ...) to the rank of its tangents.
     modules : tuple of AuditReport
         The per-module reports (`method="per module"`).
+    near_flat : int
+        Flat directions not claimed nor unused that the verified near-flat scalings explain
+        (flat only up to a norm's $\\varepsilon$; not symmetries).
+    near_flat_reasons : tuple of dict
+        Each verified near-flat scaling: its norm, $\\varepsilon$, parameters, the relative
+        change of a finite element at $\\varepsilon = 0$ and at the model's $\\varepsilon$, its
+        $\\|J v\\| / (\\|J\\|_2 \\|v\\|)$ on the audited outputs (`violation`), and the reason.
     """
 
     method: str
@@ -103,6 +117,8 @@ class AuditReport:
     by_kind: dict[str, int] = field(default_factory=dict)
     modules: tuple[AuditReport, ...] = ()
     scope: str = ""
+    near_flat: int = 0
+    near_flat_reasons: tuple[dict, ...] = ()
 
     def to_dict(self) -> dict:
         """A JSON-friendly summary."""
@@ -239,11 +255,15 @@ def _threshold(s: torch.Tensor) -> tuple[int, float, float]:
 
 def _one(model: nn.Module, params: dict[str, torch.Tensor], names: Sequence[str],
          draw: Callable[[], tuple[tuple, dict]], kind: str, candidates: Sequence[Any],
-         scope: str, method: str, max_rows: int) -> AuditReport:
+         scope: str, method: str, max_rows: int,
+         near: Sequence[NearFlat] = ()) -> AuditReport:
     sizes = [params[n].numel() for n in names]
     P = sum(sizes)
     V, kinds = _tangents(candidates, params, names)
     dev = V.device  # the model's (the float64 copy's) device
+    N = (torch.stack([f.tangent(params, names) for f in near], dim=1) if near
+         else torch.zeros(P, 0, dtype=torch.float64, device=dev))
+    jn = torch.zeros(N.shape[1], dtype=torch.float64, device=dev)
     R = torch.zeros(0, P, dtype=torch.float64, device=dev)
     colmax = torch.zeros(P, dtype=torch.float64, device=dev)
     jv = torch.zeros(V.shape[1], dtype=torch.float64, device=dev)
@@ -255,6 +275,8 @@ def _one(model: nn.Module, params: dict[str, torch.Tensor], names: Sequence[str]
             colmax = torch.maximum(colmax, J.abs().amax(dim=0))
             if V.shape[1]:
                 jv += (J @ V).pow(2).sum(0)
+            if N.shape[1]:
+                jn += (J @ N).pow(2).sum(0)
             R = torch.linalg.qr(torch.cat([R, J]), mode="r").R
         _, s, Vh = torch.linalg.svd(R, full_matrices=False)
         rank, lo, hi = _threshold(s) if s.numel() and s[0] > 0 else (0, 0.0, 0.0)
@@ -275,10 +297,14 @@ def _one(model: nn.Module, params: dict[str, torch.Tensor], names: Sequence[str]
     E = torch.eye(P, dtype=torch.float64, device=dev)[:, dead]
     explained = _orthonormal(torch.cat([V, E], dim=1))
     unused = explained.shape[1] - claimed
+    null = Vh[rank:].T  # (P, flat)
+    n_near, reasons = _near(N, null, explained, near, jn, smax)
+    if n_near:
+        explained = _orthonormal(torch.cat([explained, N[:, [r["index"] for r in reasons
+                                                             if r["in_kernel"]]]], dim=1))
     unexplained = max(flat - explained.shape[1], 0)
     by_parameter: dict[str, float] = {}
     if unexplained:
-        null = Vh[rank:].T  # (P, flat)
         rest = null - explained @ (explained.T @ null)
         U, sv, _ = torch.linalg.svd(rest, full_matrices=False)
         basis = U[:, sv > 0.5]
@@ -292,7 +318,28 @@ def _one(model: nn.Module, params: dict[str, torch.Tensor], names: Sequence[str]
     for kd in dict.fromkeys(kinds):
         by_kind[kd] = _rank(V[:, [i for i, x in enumerate(kinds) if x == kd]])
     return AuditReport(method, P, rows, flat, claimed, unused, unexplained, violation,
-                       (lo, hi), by_parameter, by_kind, scope=scope)
+                       (lo, hi), by_parameter, by_kind, scope=scope, near_flat=n_near,
+                       near_flat_reasons=tuple(reasons))
+
+
+def _near(N: torch.Tensor, null: torch.Tensor, explained: torch.Tensor,
+          near: Sequence[NearFlat], jn: torch.Tensor, smax: float
+          ) -> tuple[int, list[dict]]:
+    """How many flat directions the near-flat tangents `N` add to `explained`, and a report of
+    each. Only a tangent inside the measured kernel (its part outside below $10^{-6}$ of its
+    norm) counts: one that the audit sees as not flat explains nothing."""
+    reasons: list[dict] = []
+    for i, f in enumerate(near):
+        v = N[:, i]
+        nv = float(v.norm())
+        outside = float((v - null @ (null.T @ v)).norm()) / max(nv, 1e-300)
+        reasons.append({**f.describe(), "index": i, "in_kernel": outside <= 1e-6,
+                        "violation": float(jn[i].sqrt()) / max(smax * nv, 1e-300)})
+    keep = [r["index"] for r in reasons if r["in_kernel"]]
+    if not keep:
+        return 0, reasons
+    return _orthonormal(torch.cat([explained, N[:, keep]], dim=1)).shape[1] - \
+        explained.shape[1], reasons
 
 
 def audit(
@@ -360,6 +407,8 @@ def audit(
     names = [n for n, t in params.items() if t.is_floating_point()]
     candidates: list[Any] = [*symmetries.blocks, *symmetries.folds]
 
+    near = near_flat(Prober(work, base_inputs), params)
+
     def max_rows(p: int) -> int:
         return max_outputs if max_outputs is not None else 32 * p
     gen = torch.Generator().manual_seed(seed)
@@ -370,7 +419,8 @@ def audit(
 
     P = sum(params[n].numel() for n in names)
     if P <= max_parameters:
-        return _one(work, params, names, draw, output, candidates, "", "exact", max_rows(P))
+        return _one(work, params, names, draw, output, candidates, "", "exact", max_rows(P),
+                    near)
     reports = []
     for top, _m in work.named_children():
         inside = [n for n in names if n.startswith(top + ".")]
@@ -378,8 +428,9 @@ def audit(
             continue
         own = [c for c in candidates if set(c.params) <= set(inside)]
         k = sum(params[n].numel() for n in inside)
+        mine = [f for f in near if set(f.up) | {c.weight for c in f.down} <= set(inside)]
         reports.append(_one(work, params, inside, draw, output, own, top, "per module",
-                            max_rows(k)))
+                            max_rows(k), mine))
     return AuditReport("per module", sum(r.parameters for r in reports),
                        max((r.outputs for r in reports), default=0),
                        sum(r.flat for r in reports), sum(r.claimed for r in reports),
@@ -388,7 +439,8 @@ def audit(
                        (min((r.gap[0] for r in reports), default=0.0),
                         max((r.gap[1] for r in reports), default=0.0)),
                        {k: v for r in reports for k, v in r.by_parameter.items()}, {},
-                       tuple(reports))
+                       tuple(reports), near_flat=sum(r.near_flat for r in reports),
+                       near_flat_reasons=tuple(x for r in reports for x in r.near_flat_reasons))
 
 
 def _functional(kind: str) -> Callable[[nn.Module, tuple[tuple, dict]], torch.Tensor]:

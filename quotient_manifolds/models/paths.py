@@ -16,11 +16,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .linear import storage
+from .linear import Consumer, linear_layer, storage
 from .precision import float64_internals, no_fastpath
 from .prober import Prober, output_tensors
 
-__all__ = ["feeds_only", "reaches_only"]
+__all__ = ["feeds_only", "pooled_readers", "reaches_only", "shift_readers"]
 
 
 def _outputs(p: Prober, out: object) -> list[torch.Tensor]:
@@ -113,3 +113,69 @@ def feeds_only(p: Prober, sources: Iterable[str], sinks: Iterable[str]) -> dict[
             hk.remove()
     zero = {n: g is None or not bool(g.abs().max() > 0) for n, g in zip(found, grads, strict=True)}
     return {n: zero.get(n, False) for n in sources}
+
+
+def shift_readers(p: Prober, module: str, readers: Sequence[str]) -> list[str]:
+    r"""The modules of `readers` whose (first) input moves by exactly $t$ when the output $y$ of
+    `module` moves by $t$, a random vector along the last axis broadcast over the others: they
+    read $y$ through a map that commutes with such a shift (a mean over the sequence, a slice,
+    a dropout in eval mode). A necessary condition for a fold that compensates in them (the
+    probe decides)."""
+    d = p.first_call(module)
+    y0 = d.out if d is not None else None
+    if not isinstance(y0, torch.Tensor) or not y0.shape:
+        return []
+    t = torch.randn(y0.shape[-1], generator=p.gen, dtype=y0.dtype) * (float(y0.abs().max()) + 1)
+    seen: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+
+    def post(mod, args, out):
+        if "y" in done or not isinstance(out, torch.Tensor):
+            return None
+        done.add("y")
+        return out + t
+
+    def pre(name):
+        def f(mod, args):
+            if name not in seen and args and isinstance(args[0], torch.Tensor):
+                seen[name] = args[0]
+        return f
+
+    hooks = [p.modules[module].register_forward_hook(post)]
+    hooks += [p.modules[n].register_forward_pre_hook(pre(n)) for n in dict.fromkeys(readers)]
+    try:
+        with torch.no_grad(), no_fastpath(), float64_internals():
+            torch.func.functional_call(p.model, {**p.params, **p.buffers}, p.args, p.kwargs)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    out = []
+    for n in dict.fromkeys(readers):
+        call, new = p.first_call(n), seen.get(n)
+        x = call.args[0] if call is not None and call.args else None
+        if isinstance(x, torch.Tensor) and new is not None and new.shape == x.shape and x.shape[
+                -1:] == t.shape and bool((new - x - t).abs().max() <= 1e-10 * float(t.abs().max())):
+            out.append(n)
+    return out
+
+
+def pooled_readers(p: Prober, norm: str, d: int) -> tuple[list[Consumer], list[str]]:
+    """The linear maps of input width `d` called after `norm` that read its output through a
+    map commuting with a shift along the features
+    ([`shift_readers`][quotient_manifolds.models.paths.shift_readers]: a mean pooling before a
+    classifier head), as [`Consumer`][quotient_manifolds.models.linear.Consumer]s, and their
+    modules. For a norm that no linear map reads directly."""
+    later, started = [], False
+    for c in p.calls:
+        started = started or c.name == norm
+        lin = linear_layer(p.modules[c.name])
+        if started and lin is not None and lin.in_features == d and c.name not in later:
+            later.append(c.name)
+    mods = shift_readers(p, norm, later) if later else []
+    cons = []
+    for n in mods:
+        lin = linear_layer(p.modules[n])
+        assert lin is not None
+        cons.append(Consumer(p.name(lin.weight), 0 if lin.transposed else 1, 0, -1,
+                             p.pname(lin.bias)))
+    return cons, mods

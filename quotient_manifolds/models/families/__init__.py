@@ -12,14 +12,16 @@ from ..symmetry import SymmetryFamily
 from .attention import Attention, rope_pairs
 from .bias import BiasTranslations, KeyBiasFold, ValueBiasFold
 from .centring import CentringFold, LayerNormCentring, ReaderCentringFold
-from .embeddings import EmbeddingShiftFold, EmbeddingShifts, TiedEmbeddingShiftFold
+from .embeddings import EmbeddingShiftFold, EmbeddingShifts, PadShiftFold, TiedEmbeddingShiftFold
 from .lora import LoRA
 from .mlp import Neurons
 from .norm_gain import NormGainFold, NormGains
 from .norm_shift import NormShiftFold, NormShifts
 from .qk_norm import QKNorms, QKNormScaleFold
+from .relu_pairs import HomogeneousPairs
 from .rotation import ResidualRotations, RotationFold
 from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
+from .token_shifts import SliceShiftFold, TokenShifts
 
 __all__ = [
     "FAMILIES",
@@ -28,10 +30,12 @@ __all__ = [
     "CentringFold",
     "EmbeddingShiftFold",
     "EmbeddingShifts",
+    "HomogeneousPairs",
     "LayerNormCentring",
     "ReaderCentringFold",
     "ResidualRotations",
     "RotationFold",
+    "SliceShiftFold",
     "SoftmaxShift",
     "SoftmaxShiftFold",
     "TiedEmbeddingShiftFold",
@@ -42,8 +46,10 @@ __all__ = [
     "NormGains",
     "NormShiftFold",
     "NormShifts",
+    "PadShiftFold",
     "QKNormScaleFold",
     "QKNorms",
+    "TokenShifts",
     "ValueBiasFold",
     "register_family",
     "rope_pairs",
@@ -53,12 +59,14 @@ FAMILIES: list[SymmetryFamily] = [
     LoRA(),
     Attention(),
     Neurons(),
+    HomogeneousPairs(),
     QKNorms(),
     NormGains(),
     NormShifts(),
     BiasTranslations(),
     LayerNormCentring(),
     EmbeddingShifts(),
+    TokenShifts(),
     SoftmaxShift(),
     ResidualRotations(),
 ]

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..linear import Consumer, ReadQuery, readers_of, storage
 from ..norms import any_norm, is_norm, norm_bias, norm_offset, norm_weight
-from ..paths import reaches_only
+from ..paths import pooled_readers, reaches_only
 from ..prober import Prober
 from ..records import Fallback
 from ..symmetry import Fold, Scene, SymmetryFamily, full_mask, random_normal, random_scale
@@ -166,6 +166,8 @@ class NormGains(SymmetryFamily):
             if call.out.shape[-1] != d:
                 continue
             found = readers_of(readers, ReadQuery(storage(call.out), d, p.name, p.pname))
+            if found is not None and not found[0] and scene.symmetry == "complete":
+                found = pooled_readers(p, call.name, d)  # read through a mean pooling
             if found is None or not found[0]:
                 continue  # read by an unknown module, or by no linear map: not a pre-norm
             self._propose(scene, p, call.name, m, found, call.args, call.kwargs)

@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from ..linear import Consumer, ReadQuery, linear_layer, readers_of, storage
-from ..norms import is_norm, norm_bias, norm_weight
+from ..norms import is_norm, norm_bias
+from ..prober import Prober
 from ..symmetry import Fold, Scene, SymmetryFamily, full_mask, random_normal, rms
 from .centring import centres
 
-__all__ = ["NormShiftFold", "NormShifts"]
+__all__ = ["NormShiftFold", "NormShifts", "TableShiftFold"]
 
 Params = Mapping[str, torch.Tensor]
 
@@ -81,6 +82,37 @@ class NormShiftFold(Fold):
         return self._move(params, theta.view(params[self.shift].shape))
 
 
+@dataclass(frozen=True)
+class TableShiftFold(NormShiftFold):
+    r"""The same with an embedding table $E$ in place of $\beta$, read directly by the first
+    post-norm block (`nn.TransformerEncoder` over token embeddings): $(E + \mathbb 1 t^\top,
+    b_j - W_j t, b_o - t)$; canonical representative $E[0] = 0$ (frozen)."""
+
+    kind = "table_shift"
+
+    def apply(self, params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            return self._move(params, -params[self.shift][0]), self.frozen(params)
+
+    def frozen(self, params: Params) -> dict[str, torch.Tensor]:
+        E = params[self.shift]
+        mask = torch.zeros(E.shape, dtype=torch.bool, device=E.device)
+        mask[0] = True
+        return {self.shift: mask}
+
+    def act(self, params: Params, generator: torch.Generator | None = None,
+            a: float = 1.0) -> dict[str, torch.Tensor]:
+        E = params[self.shift]
+        return self._move(params, a * rms(E) * random_normal(E.shape[-1:], generator, E.dtype,
+                                                             E.device))
+
+    def lie_dim(self, params: Params) -> int:
+        return int(params[self.shift].shape[-1])
+
+    def act_at(self, params: Params, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._move(params, theta.view(params[self.shift].shape[-1:]))
+
+
 def _writer_bias(m: nn.Module, d: int) -> torch.Tensor | None:
     if isinstance(m, nn.MultiheadAttention):
         m = m.out_proj
@@ -109,16 +141,29 @@ class NormShifts(SymmetryFamily):
                  and norm_bias(p.modules[c.name]) is not None
                  and isinstance(c.out, torch.Tensor)
                  and centres(p.modules[c.name], c.args, c.kwargs)]
+        tables = [j for j, c in enumerate(order[:norms[0]] if norms else [])
+                  if isinstance(p.modules[c.name], nn.Embedding)]
+        for j in tables[:1]:  # an embedding table read directly by the first post-norm block
+            self._propose(scene, p, calls, order, j, norms[0], TableShiftFold,
+                          p.modules[order[j].name].weight)
         for k, i in enumerate(norms[:-1]):
-            c, nxt = order[i], norms[k + 1]
-            m = p.modules[c.name]
-            d = norm_weight(m).numel()
-            found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
-            if not found or any(x.bias is None for x in found[0]):
-                continue
-            comp = next((b for j in range(nxt - 1, i, -1)
-                         if (b := _writer_bias(p.modules[order[j].name], d)) is not None), None)
-            beta = norm_bias(m)
-            if comp is None or beta is None:
-                continue
-            scene.propose([NormShiftFold(c.name, p.name(beta), tuple(found[0]), p.name(comp))])
+            self._propose(scene, p, calls, order, i, norms[k + 1], NormShiftFold,
+                          norm_bias(p.modules[order[i].name]))
+
+    @staticmethod
+    def _propose(scene: Scene, p: Prober, calls: list, order: list, i: int, nxt: int, fold: type,
+                 beta: torch.Tensor | None) -> None:
+        c = order[i]
+        if not isinstance(c.out, torch.Tensor) or beta is None:
+            return
+        d = int(beta.shape[-1])
+        found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
+        if not found or any(x.bias is None for x in found[0]):
+            return
+        if fold is TableShiftFold and not found[0]:
+            return  # a table summed with others before a norm: the embedding shifts' case
+        comp = next((b for j in range(nxt - 1, i, -1)
+                     if (b := _writer_bias(p.modules[order[j].name], d)) is not None), None)
+        if comp is None:
+            return
+        scene.propose([fold(c.name, p.name(beta), tuple(found[0]), p.name(comp))])

@@ -1,0 +1,227 @@
+r"""Near-flat directions: the scaling of a norm's input, flat only up to the norm's $\varepsilon$.
+
+A LayerNorm computes $\mathrm{LN}(x) = \gamma \odot (x - \bar x)/\sqrt{\sigma^2(x) + \varepsilon}
++ \beta$. At $\varepsilon = 0$ it is blind to a scaling of its input, $\mathrm{LN}(\lambda x) =
+\mathrm{LN}(x)$ for $\lambda > 0$; at $\varepsilon > 0$ only nearly:
+$\partial_\lambda \mathrm{LN}(\lambda x)|_{\lambda = 1} = -\gamma \odot \hat x\,
+\varepsilon / (\sigma^2 + \varepsilon)$, a relative change of order $\varepsilon / \sigma^2$. A
+post-norm model (BERT) writes the input of each LayerNorm with a few maps only, so scaling
+them together is a direction of the parameters along which the function changes by
+$O(\varepsilon)$: below any threshold that counts flat directions when
+$\varepsilon = 10^{-12}$, yet no symmetry (the measure does not quotient it out, and at
+$\varepsilon = 10^{-5}$ it is not flat at all).
+
+[`near_flat`][quotient_manifolds.models.near_flat.near_flat] finds these directions on the
+traced forward pass of a [`Prober`][quotient_manifolds.models.prober.Prober] and verifies each:
+
+* the **direct writers** of a norm's input $x$: the linear maps and embedding tables whose
+  output $y$ enters $x$ additively ($y \mapsto y + \delta$ moves $x$ by exactly $\delta$);
+* the **norm writers**: another norm whose output $y$ enters $x$ additively once its linear
+  readers are cut (they keep reading the unmoved $y$): the residual of a post-norm block;
+* the group element $\lambda$: the direct writers' weights and biases and the norm writers'
+  gains and shifts times $\lambda$, the norm writers' readers' weights times $1/\lambda$.
+
+It is reported only if a finite element ($\lambda = 1.7$) leaves the outputs unchanged to
+$10^{-10}$ (relative) once this norm's $\varepsilon$ is set to $0$: a symmetry of the
+$\varepsilon = 0$ model, broken by $\varepsilon$ alone. The audit then counts the directions
+that lie in the kernel it measured as **near-flat**, a separate category (not claimed, not
+unexplained), each with its norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .linear import Consumer, ReadQuery, linear_layer, readers_of, storage
+from .norms import is_norm, norm_bias, norm_weight
+from .precision import float64_internals, no_fastpath
+from .prober import Prober, relative_change
+
+__all__ = ["NearFlat", "near_flat"]
+
+Params = Mapping[str, torch.Tensor]
+
+_EXACT_RTOL = 1e-10  # a finite element at eps = 0 keeps the outputs to this (relative)
+_LAMBDA = 1.7
+
+
+@dataclass(frozen=True)
+class NearFlat:
+    """The scaling of one norm's input by its writers, flat up to the norm's `eps`.
+
+    Attributes
+    ----------
+    norm : str
+        The norm whose input is scaled.
+    eps : float
+        Its $\\varepsilon$.
+    up : tuple of str
+        Parameters times $\\lambda$ (the writers).
+    down : tuple of Consumer
+        Linear maps times $1/\\lambda$ (the readers of a norm writer).
+    exact : float
+        Relative change of the outputs under $\\lambda = 1.7$ with this norm's
+        $\\varepsilon = 0$ (below $10^{-10}$).
+    change : float
+        The same with the model's $\\varepsilon$ (of order $\\varepsilon / \\sigma^2$).
+    """
+
+    norm: str
+    eps: float
+    up: tuple[str, ...]
+    down: tuple[Consumer, ...]
+    exact: float = 0.0
+    change: float = 0.0
+
+    def act(self, params: Params, lam: float) -> dict[str, torch.Tensor]:
+        """`params` with the writers times `lam` and the readers times `1/lam`."""
+        out = dict(params)
+        for n in self.up:
+            out[n] = params[n] * lam
+        for c in self.down:
+            M, _ = c.read(out)
+            c.write(out, M / lam, None)
+        return out
+
+    def tangent(self, params: Params, names: Sequence[str]) -> torch.Tensor:
+        r"""$\partial_\lambda\,\mathrm{act}_\lambda(w)|_{\lambda = 1}$, flattened over `names`."""
+        zero = {n: torch.zeros_like(params[n]) for n in names}
+        moved = dict(zero)
+        for n in self.up:
+            moved[n] = params[n].clone()
+        for c in self.down:
+            M, _ = c.read(params)
+            c.write(moved, -M, None)
+        return torch.cat([moved[n].reshape(-1).to(torch.float64) for n in names])
+
+    def describe(self) -> dict:
+        """A JSON-friendly summary."""
+        return {"norm": self.norm, "eps": self.eps, "up": list(self.up),
+                "down": [c.weight for c in self.down], "exact": self.exact,
+                "change": self.change,
+                "reason": f"scaling of the input of {self.norm}: flat only up to its "
+                          f"eps={self.eps:g}"}
+
+
+@contextlib.contextmanager
+def _eps(m: nn.Module, value: float) -> Iterator[None]:
+    old = m.eps
+    m.eps = value
+    try:
+        yield
+    finally:
+        m.eps = old
+
+
+def _first(out: object) -> torch.Tensor | None:
+    y = out[0] if isinstance(out, tuple) and out else out
+    return y if isinstance(y, torch.Tensor) and y.is_floating_point() else None
+
+
+def _moves_by_delta(p: Prober, source: str, cut: Sequence[str], norm: str,
+                    x: torch.Tensor) -> bool:
+    """Whether adding a random $\\delta$ to the first output of `source` (the modules `cut`
+    still reading the unmoved output) moves the input of `norm` by exactly $\\delta$."""
+    state: dict = {}
+
+    def post(mod, args, out):
+        y = _first(out)
+        if "y" in state or y is None:
+            return None
+        d = torch.randn(y.shape, generator=p.gen, dtype=y.dtype) * (float(y.abs().max()) + 1)
+        state["y"], state["d"] = y, d
+        moved = y + d
+        state["ptr"] = storage(moved)
+        return (moved, *out[1:]) if isinstance(out, tuple) else moved
+
+    def pre(mod, args, kwargs):
+        def back(t):
+            return state["y"] if "y" in state and storage(t) == state["ptr"] else t
+        return tuple(back(a) for a in args), {k: back(v) for k, v in kwargs.items()}
+
+    def grab(mod, args, kwargs):
+        if "x" not in state and args and isinstance(args[0], torch.Tensor):
+            state["x"] = args[0]
+
+    hooks = [p.modules[source].register_forward_hook(post),
+             p.modules[norm].register_forward_pre_hook(grab, with_kwargs=True)]
+    hooks += [p.modules[n].register_forward_pre_hook(pre, with_kwargs=True) for n in cut]
+    try:
+        with torch.no_grad(), no_fastpath(), float64_internals():
+            torch.func.functional_call(p.model, {**p.params, **p.buffers}, p.args, p.kwargs)
+    except Exception:  # noqa: BLE001 -- the moved output broke the forward: not a writer
+        return False
+    finally:
+        for hk in hooks:
+            hk.remove()
+    if "x" not in state or "d" not in state:
+        return False
+    try:
+        d = state["d"].expand_as(x)
+    except RuntimeError:
+        return False
+    err = (state["x"] - x - d).abs().max()
+    return bool(err <= 1e-10 * float(d.abs().max()))
+
+
+def _writers(p: Prober, norm: str, x: torch.Tensor, d: int
+             ) -> tuple[list[str], list[Consumer]]:
+    up: list[str] = []
+    down: list[Consumer] = []
+    calls = p.parameterised_calls()
+    seen: set[str] = set()
+    for c in p.calls:
+        if c.name in seen or c.name == norm:
+            continue
+        seen.add(c.name)
+        m, y = p.modules[c.name], _first(c.out)
+        if y is None or not y.shape or y.shape[-1] != d:
+            continue
+        if isinstance(m, nn.Embedding) or linear_layer(m) is not None:
+            if _moves_by_delta(p, c.name, (), norm, x):
+                lin = linear_layer(m)
+                up += [p.name(m.weight)] + ([p.name(lin.bias)] if lin is not None
+                                            and lin.bias is not None else [])
+        elif is_norm(m) and norm_weight(m).numel() == d:
+            found = readers_of(calls, ReadQuery(storage(y), d, p.name, p.pname))
+            if found is None or not _moves_by_delta(p, c.name, found[1], norm, x):
+                continue
+            up += [p.name(norm_weight(m))]
+            if norm_bias(m) is not None:
+                up.append(p.name(norm_bias(m)))
+            down += found[0]
+    return list(dict.fromkeys(up)), down
+
+
+def near_flat(p: Prober, params: Params) -> list[NearFlat]:
+    """The verified near-flat scalings of the norms of `p`'s model, at `params` (see the
+    module docstring)."""
+    if p.reference is None or p.problem is not None:
+        return []
+    found = []
+    done: set[str] = set()
+    for c in p.calls:
+        m = p.modules[c.name]
+        eps = getattr(m, "eps", None)
+        if (c.name in done or not is_norm(m) or not isinstance(eps, float) or eps <= 0
+                or not c.args or not isinstance(c.args[0], torch.Tensor)):
+            continue
+        done.add(c.name)
+        d = norm_weight(m).numel()
+        up, down = _writers(p, c.name, c.args[0], d)
+        if not up:
+            continue
+        cand = NearFlat(c.name, eps, tuple(up), tuple(down))
+        moved = cand.act(params, _LAMBDA)
+        with _eps(m, 0.0):
+            exact = relative_change(p.run(params), p.run(moved))
+        if exact > _EXACT_RTOL:
+            continue
+        change = relative_change(p.run(params), p.run(moved))
+        found.append(NearFlat(c.name, eps, tuple(up), tuple(down), exact, change))
+    return found

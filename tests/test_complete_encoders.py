@@ -1,0 +1,302 @@
+"""The encoder architectures under the complete group: each new symmetry applied by an
+independent construction written here (not the folds' or blocks' own action), on very small
+float64 models with redrawn weights. The outputs stay equal to 1e-12; the complete measure does
+not move (1e-6); the full measure does. The near-flat scalings of the post-norm LayerNorms'
+inputs are checked to be exact at eps = 0 and broken by eps alone, and the audit counts them
+apart from the unexplained directions."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from audit_zoo import ZOO, torch_encoder, torch_inputs
+from torch import nn
+
+import quotient_manifolds as qm
+from quotient_manifolds.models.audit import audit
+from quotient_manifolds.models.near_flat import near_flat
+from quotient_manifolds.models.precision import float64_internals
+from quotient_manifolds.models.prober import Prober
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64) * scale
+
+
+def _edit(model):
+    new = copy.deepcopy(model)
+    return new, dict(new.named_parameters())
+
+
+def _value(model, data, loss, symmetry, metric="inv"):
+    with float64_internals():
+        return qm.geodesic_sharpness(model, loss, data, rho=0.05, n_iter=3,
+                                     geometry=qm.Geometry(metric=metric, symmetry=symmetry)).value
+
+
+def _hf_loss(m, b):
+    return m(**b).loss
+
+
+def _hf_out(m, b):
+    return m(**{k: v for k, v in b.items() if k != "labels"}).logits
+
+
+def _torch_loss(m, b):
+    return nn.functional.cross_entropy(m(b[0]), b[1])
+
+
+def _torch_out(m, b):
+    return m(b[0])
+
+
+def _check(model, moved, data, loss, out, metrics=("inv",), full_moves=True):
+    """Outputs equal (1e-12); the complete measure unchanged (1e-6); the full one moved."""
+    with torch.no_grad(), float64_internals():
+        assert (out(model, data[0]) - out(moved, data[0])).abs().max() < 1e-12
+    for metric in metrics:
+        a, b = (_value(x, data, loss, "complete", metric) for x in (model, moved))
+        assert abs(b / a - 1) < 1e-6, (metric, a, b)
+    if full_moves:
+        a, b = (_value(x, data, loss, "full") for x in (model, moved))
+        assert abs(b / a - 1) > 1e-4, (a, b)
+
+
+def _cls_data(low=3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(low, 16, (4, 6), generator=g),
+             "labels": torch.randint(0, 3, (4,), generator=g)}]
+
+
+def _torch_data(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 16, (4, 6), generator=g), torch.randint(0, 3, (4,), generator=g))]
+
+
+# -- DistilBERT: the ReLU between pre_classifier and classifier ------------------------------------
+def test_distilbert_head_relu_scaling_by_hand():
+    """pre_classifier rows and bias times lambda > 0, classifier columns over lambda (the ReLU
+    is applied functionally in the model's forward, not an MLP module). The full measure's
+    elementwise metric is blind to unit scalings already (it spends radius on them), so only
+    the complete measure is compared; that the complete group claims them is checked below."""
+    model = ZOO["distilbert"]()
+    moved, P = _edit(model)
+    lam = torch.exp(_randn(8, seed=60, scale=1.5))
+    with torch.no_grad():
+        P["pre_classifier.weight"].mul_(lam[:, None])
+        P["pre_classifier.bias"].mul_(lam)
+        P["classifier.weight"].div_(lam[None, :])
+    _check(model, moved, _cls_data(), _hf_loss, _hf_out, full_moves=False)
+
+
+def test_distilbert_head_scaling_is_discovered_and_negative_is_not():
+    """The block is claimed with positive scalings only: a negative one breaks the ReLU."""
+    model = ZOO["distilbert"]()
+    sym = qm.discover(model, symmetry="complete", warn=False)
+    heads = [b for b in sym.blocks if "pre_classifier.weight" in b.params]
+    assert len(heads) == 1 and heads[0].connected and heads[0].heads == 8
+    moved, P = _edit(model)
+    with torch.no_grad():
+        P["pre_classifier.weight"][0].mul_(-1.0)
+        P["pre_classifier.bias"][0].mul_(-1.0)
+        P["classifier.weight"][:, 0].mul_(-1.0)
+    b = _cls_data()[0]
+    with torch.no_grad(), float64_internals():
+        assert (_hf_out(model, b) - _hf_out(moved, b)).abs().max() > 1e-3
+
+
+# -- nn.TransformerEncoder: the head reads the last norm through a mean pooling ------------------
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_mean_pooled_reader_centring_by_hand(norm_first):
+    """head: W + u (1/gamma)^T, b - u (beta/gamma)^T 1, where the head reads the mean over the
+    sequence of the last LayerNorm's output (gamma, beta redrawn: not at the canonical point)."""
+    model = torch_encoder(norm_first)
+    moved, P = _edit(model)
+    norm = "norm." if norm_first else "encoder.layers.1.norm2."
+    with torch.no_grad():
+        g, beta = P[norm + "weight"], P[norm + "bias"]
+        u = _randn(3, seed=61, scale=10 / math.sqrt(8))
+        P["head.weight"].add_(torch.outer(u, 1 / g))
+        P["head.bias"].sub_(u * (beta / g).sum())
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out)
+
+
+def test_mean_pooled_norm_gain_by_hand():
+    """The last norm's gain and shift times c (per unit), the head's columns over c: the head
+    reads the norm through the mean over the sequence (the complete group's norm gains see
+    through it). A unit scaling, to which the full measure's elementwise metric is blind
+    already: only the complete measure is compared."""
+    model = torch_encoder(False)
+    moved, P = _edit(model)
+    c = torch.exp(_randn(8, seed=65)) * torch.sign(_randn(8, seed=66))
+    with torch.no_grad():
+        P["encoder.layers.1.norm2.weight"].mul_(c)
+        P["encoder.layers.1.norm2.bias"].mul_(c)
+        P["head.weight"].div_(c[None, :])
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out, full_moves=False)
+    sym = qm.discover(model, symmetry="complete", warn=False, example_inputs=torch_inputs())
+    assert any(f.kind == "norm_gain" and f.module == "encoder.layers.1.norm2" for f in sym.folds)
+
+
+def test_post_norm_embedding_table_shift_by_hand():
+    """The token table read directly by the first post-norm block: (E + 1 t^T, in_proj biases
+    - W t, out_proj bias - t) keeps the first norm's input (the analogue of the post-norm
+    shift, with the table in place of a norm's shift)."""
+    model = torch_encoder(False)
+    moved, P = _edit(model)
+    t = _randn(8, seed=67, scale=3.0)
+    a = "encoder.layers.0.self_attn."
+    with torch.no_grad():
+        P["emb.weight"].add_(t)
+        P[a + "in_proj_bias"].sub_(P[a + "in_proj_weight"] @ t)
+        P[a + "out_proj.bias"].sub_(t)
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out)
+
+
+# -- RoBERTa: the padding pair ---------------------------------------------------------------------
+def test_roberta_padding_pair_shift_by_hand():
+    """word[pad] + s, position[pad] - s: a token sits at position pad exactly when it is the pad
+    token (RoBERTa counts positions from the padding index). The batch holds pad tokens. The
+    tables' padding_idx is cleared (the rows then get gradients, as the audit reads them):
+    with it, torch zeroes the padding rows' gradients and no measure sees them at all."""
+    model = ZOO["roberta"]()
+    pad = model.config.pad_token_id
+    model.roberta.embeddings.word_embeddings.padding_idx = None
+    model.roberta.embeddings.position_embeddings.padding_idx = None
+    moved, P = _edit(model)
+    s = _randn(8, seed=62, scale=10.0)
+    with torch.no_grad():
+        P["roberta.embeddings.word_embeddings.weight"][pad].add_(s)
+        P["roberta.embeddings.position_embeddings.weight"][pad].sub_(s)
+    data = _cls_data(low=3)
+    data[0]["input_ids"][:, -2:] = pad  # right padding, attended to (no mask)
+    _check(model, moved, data, _hf_loss, _hf_out)
+
+
+def test_roberta_whole_table_shift_fixes_the_first_read_row():
+    """The shift of the whole position table is fixed by row pad + 1 (the first position a
+    token is read at), the padding pair by row pad: both rows are zero at the canonical point,
+    and the canonical point is the same after both shifts applied by hand."""
+    model = ZOO["roberta"]()
+    pad = model.config.pad_token_id
+    sym = qm.discover(model, symmetry="complete", warn=False)
+    e = "roberta.embeddings."
+    w, p = e + "word_embeddings.weight", e + "position_embeddings.weight"
+    moved, P = _edit(model)
+    with torch.no_grad():
+        t, s = _randn(8, seed=63, scale=2.0), _randn(8, seed=64, scale=2.0)
+        P[w].add_(t)
+        P[p].sub_(t)
+        P[w][pad].add_(s)
+        P[p][pad].sub_(s)
+    a, _ = sym.canonicalize({n: x.detach() for n, x in model.named_parameters()})
+    b, _ = sym.canonicalize({n: x.detach() for n, x in moved.named_parameters()})
+    assert a[p][pad].abs().max() == 0 and a[p][pad + 1].abs().max() == 0
+    for n in (w, p):
+        assert (a[n] - b[n]).abs().max() < 1e-12, n
+
+
+def test_padding_pair_needs_positions_counted_from_the_padding_index():
+    """BERT counts positions from 0: a padding_idx on its position table pairs nothing (the
+    check on padded inputs sees row 0 read by every first token), so no pad shift is claimed."""
+    model = ZOO["bert"]()
+    model.bert.embeddings.position_embeddings.padding_idx = 0
+    sym = qm.discover(model, symmetry="complete", warn=False)
+    assert not [f for f in sym.folds if f.kind == "pad_shift"]
+    shifts = [f for f in sym.folds if f.kind == "embedding_shift"]
+    assert shifts and all(f.row == 0 for f in shifts)
+
+
+# -- ViT: the class token, patch convolution and positions as writers ------------------------------
+def test_vit_token_shifts_and_writer_centring_by_hand():
+    """(cls + t, P_0 - t), (patch bias + s, P_1: - s), and the translations along 1 of every
+    writer into the pre-norm stream that is a parameter or a convolution: the patch kernel
+    (one constant per input channel and offset), its bias, the class token, each position
+    row."""
+    model = ZOO["vit"]()
+    moved, P = _edit(model)
+    e = "vit.embeddings."
+    cls, pos = P[e + "cls_token"], P[e + "position_embeddings"]
+    W, b = P[e + "patch_embeddings.projection.weight"], P[e + "patch_embeddings.projection.bias"]
+    t, s = _randn(8, seed=70, scale=3.0), _randn(8, seed=71, scale=3.0)
+    with torch.no_grad():
+        cls.add_(t)
+        pos[0, 0].sub_(t)
+        b.add_(s)
+        pos[0, 1:].sub_(s)
+        W.add_(_randn(1, *W.shape[1:], seed=72, scale=10 / math.sqrt(W[0].numel())))
+        b.add_(2.0)
+        cls.add_(-1.5)
+        pos.add_(_randn(1, pos.shape[1], 1, seed=73, scale=3.0))
+    g = torch.Generator().manual_seed(5)
+    data = [{"pixel_values": torch.randn(4, 1, 4, 4, generator=g, dtype=torch.float64),
+             "labels": torch.randint(0, 3, (4,), generator=g)}]
+    _check(model, moved, data, _hf_loss, _hf_out)
+
+
+# -- the near-flat scalings of post-norm LayerNorm inputs ------------------------------------------
+def _outputs_eps(model, eps, batch):
+    m = copy.deepcopy(model)
+    for x in m.modules():
+        if isinstance(x, nn.LayerNorm):
+            x.eps = eps
+    with torch.no_grad(), float64_internals():
+        return _hf_out(m, batch)
+
+
+def test_bert_layernorm_input_scaling_is_flat_only_at_eps_zero():
+    """By hand: the input of layer 0's attention LayerNorm times lambda (the embedding
+    LayerNorm's gain and shift and the attention output times lambda, the queries, keys and
+    values over lambda). Exact at eps = 0; a change of order eps otherwise, and not small at
+    eps = 1e-3: no symmetry. near_flat finds the same parameters, for every LayerNorm."""
+    model = ZOO["bert"]()
+    moved, P = _edit(model)
+    lam = 1.9
+    e, a = "bert.embeddings.LayerNorm.", "bert.encoder.layer.0.attention."
+    with torch.no_grad():
+        for n in (e + "weight", e + "bias", a + "output.dense.weight", a + "output.dense.bias"):
+            P[n].mul_(lam)
+        for r in ("query", "key", "value"):
+            P[a + f"self.{r}.weight"].div_(lam)
+    b = _cls_data()[0]
+    ref0, new0 = _outputs_eps(model, 0.0, b), _outputs_eps(moved, 0.0, b)
+    assert (ref0 - new0).abs().max() < 1e-12 * ref0.abs().max()
+    small = (_outputs_eps(model, 1e-12, b) - _outputs_eps(moved, 1e-12, b)).abs().max()
+    large = (_outputs_eps(model, 1e-3, b) - _outputs_eps(moved, 1e-3, b)).abs().max()
+    assert small < 1e-10 and large > 1e3 * max(float(small), 1e-16)
+    p = Prober(model)
+    found = {f.norm: f for f in near_flat(p, p.params)}
+    assert len(found) == 5  # the embedding LayerNorm and two per layer
+    f = found["bert.encoder.layer.0.attention.output.LayerNorm"]
+    assert set(f.up) == {e + "weight", e + "bias", a + "output.dense.weight",
+                         a + "output.dense.bias"}
+    assert {c.weight for c in f.down} == {a + f"self.{r}.weight" for r in ("query", "key",
+                                                                           "value")}
+    assert all(g.exact < 1e-10 for g in found.values())
+
+
+def test_prenorm_stream_writer_is_no_near_flat_scaling():
+    """In a pre-norm model the last writer alone does not make a norm's input: scaling it is
+    not exact at eps = 0, so nothing is reported."""
+    model = torch_encoder(True)
+    p = Prober(model, torch_inputs())
+    assert near_flat(p, p.params) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert", "electra", "distilbert"])
+def test_audit_encoders(name):
+    """No unexplained flat direction; the near-flat ones lie in the measured kernel."""
+    kw = {"inputs": torch_inputs()} if name.startswith("torch") else {}
+    r = audit(ZOO[name](), **kw)
+    assert r.violation < 1e-10 and r.gap[0] > 1e4 * r.gap[1], r.to_dict()
+    assert r.unexplained == 0, r.to_dict()
+    assert r.flat == r.claimed + r.unused + r.near_flat, r.to_dict()
+    assert all(x["in_kernel"] and x["exact"] < 1e-10 for x in r.near_flat_reasons)
