@@ -43,6 +43,7 @@ from ..paths import feeds_only
 from ..precision import run_module
 from ..prober import Prober
 from ..symmetry import Centring, Fold, Scene, SymmetryFamily, random_normal, rms
+from .shift_reader import ShiftReaderFold
 
 __all__ = ["CentringFold", "LayerNormCentring", "ReaderCentringFold", "centres"]
 
@@ -245,5 +246,7 @@ class LayerNormCentring(SymmetryFamily):
             gain, shift = p.name(norm_weight(m)), p.pname(norm_bias(m))
             for cons in found[0]:
                 if shift is not None and cons.bias is None:
-                    continue  # the shift's contribution could not be compensated
+                    continue  # no bias to take up the shift's part: the shift takes it up
                 scene.propose([ReaderCentringFold(name, cons, gain, shift, offset)])
+            if shift is not None and any(c.bias is None for c in found[0]):
+                scene.propose([ShiftReaderFold(name, tuple(found[0]), gain, shift, offset)])

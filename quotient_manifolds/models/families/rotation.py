@@ -45,6 +45,7 @@ from ..records import Symmetries
 from ..symmetry import Fold, Scene, SymmetryFamily
 from .centring import CentringFold, ReaderCentringFold, centres
 from .norm_gain import NormGainFold
+from .shift_reader import ShiftReaderFold
 
 __all__ = ["ResidualRotations", "RotationFold", "StreamPart"]
 
@@ -239,12 +240,21 @@ class ResidualRotations(SymmetryFamily):
         gauge: list[Fold] = []
         parts = [StreamPart(x.weight, x.in_axis, False, x.start, x.stop)
                  for x in readers.values()]
+        loose: set[str] = set()  # norms whose shift no reader's bias can take up
         for name, (m, c, cons) in norms.items():
             offset = norm_offset(m, c.args, c.kwargs)
             if offset is None:
                 return
-            b = p.pname(norm_bias(m))
-            gauge.append(NormGainFold(name, p.name(norm_weight(m)), b, offset, tuple(cons),
+            w, b = p.name(norm_weight(m)), p.pname(norm_bias(m))
+            if b is not None and any(x.bias is None for x in cons):
+                loose.add(name)  # the shift stays: (1 after the fold below, or rotated)
+                gauge.append(NormGainFold(name, w, b, offset, tuple(cons), "scale"))
+                if centred[0]:
+                    gauge.append(ShiftReaderFold(name, tuple(cons), w, b, offset))
+                else:
+                    parts.append(StreamPart(b, 0, True))
+                continue
+            gauge.append(NormGainFold(name, w, b, offset, tuple(cons),
                                       "none" if b is None else "fold"))
         reader_names = {x.weight for x in readers.values()}
         sources = [c.name for c in p.calls if c.name not in norms and (
@@ -274,7 +284,8 @@ class ResidualRotations(SymmetryFamily):
                     gauge.append(CentringFold(name, p.name(lin.bias), 0))
         if centred[0]:
             gauge += [ReaderCentringFold(name, x, p.name(norm_weight(m)), None, 0.0)
-                      for name, (m, _, cons) in norms.items() for x in cons]
+                      for name, (m, _, cons) in norms.items() for x in cons
+                      if name not in loose]
         gauge.sort(key=lambda f: f.order)
         in_blocks = {n for b in scene.blocks for n in b.params}
         basis = tuple(x for x in parts if x.param not in in_blocks)
