@@ -19,6 +19,8 @@ from .norm_gain import NormGainFold, NormGains
 from .norm_shift import NormShiftFold, NormShifts
 from .qk_norm import QKNorms, QKNormScaleFold
 from .rotation import ResidualRotations, RotationFold
+from .score_shift import ScoreShiftFold, ScoreShifts
+from .shift_reader import ShiftReaderFold
 from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
 
 __all__ = [
@@ -32,6 +34,9 @@ __all__ = [
     "ReaderCentringFold",
     "ResidualRotations",
     "RotationFold",
+    "ScoreShiftFold",
+    "ScoreShifts",
+    "ShiftReaderFold",
     "SoftmaxShift",
     "SoftmaxShiftFold",
     "TiedEmbeddingShiftFold",
@@ -60,6 +65,7 @@ FAMILIES: list[SymmetryFamily] = [
     LayerNormCentring(),
     EmbeddingShifts(),
     SoftmaxShift(),
+    ScoreShifts(),
     ResidualRotations(),
 ]
 """The families of [`discover`][quotient_manifolds.models.discover], asked in order."""
