@@ -212,9 +212,9 @@ class NormGains(SymmetryFamily):
             if bool((g != 0).all()):
                 cands.append(NormGainFold(name, w, b, offset, tuple(cons), "scale"))
 
-        if _returned(p, name):
+        if scene.symmetry == "complete" and _returned(p, name):
             # the output is also returned (an encoder's last hidden state, read by the decoder's
-            # cross-attention): the fold keeps the loss of the logits, not that output
+            # cross-attention): the fold keeps a loss of the logits, not that output
             cands += [ReturnedNormGainFold(c.module, c.weight, c.bias, c.offset, c.consumers,
                                            c.shift) for c in list(cands)]
 
