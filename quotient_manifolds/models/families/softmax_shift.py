@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..linear import linear_layer, storage
+from ..norms import is_norm, norm_weight
 from ..symmetry import Scene, SymmetryFamily
 from .centring import CentringFold
 
@@ -49,9 +50,12 @@ class SoftmaxShift(SymmetryFamily):
         heads = [(c, lin) for c in reversed(p.calls)
                  if (lin := linear_layer(p.modules[c.name])) is not None
                  and isinstance(c.out, torch.Tensor)]
-        # the head's output is an output, or (BART's final_logits_bias added) shaped like one
+        # the head's output is an output, or (BART's final_logits_bias added) the last linear
+        # map is shaped like one and is not as wide as a norm (no hidden state)
+        widths = {norm_weight(m).numel() for m in p.modules.values() if is_norm(m)}
         for c, lin in ([h for h in heads if storage(h[0].out) in outputs]
-                       or [h for h in heads if tuple(h[0].out.shape) in shapes])[:1]:
+                       or [h for h in heads[:1] if tuple(h[0].out.shape) in shapes
+                           and h[0].out.shape[-1] not in widths]):
             weight = p.name(lin.weight)
             if p.tied(weight):
                 return
