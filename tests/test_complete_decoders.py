@@ -2,7 +2,7 @@
 independent construction written here (not the folds' `act`), on very small float64 models with
 redrawn weights (tests/audit_zoo.py). The logits stay equal to 1e-12; the complete measure does
 not move (1e-6); the full measure, blind to these symmetries, does. The audit then finds no
-unexplained flat direction on OPT, GPT-2 with an untied head, T5 and BART."""
+unexplained flat direction on OPT, GPT-2 with an untied head, OLMo, T5 and BART."""
 
 from __future__ import annotations
 
@@ -131,6 +131,33 @@ def test_gpt2_untied_stream_rotation_by_hand():
     _check(model, moved, _data())
 
 
+# -- OLMo: parameter-free LayerNorms ------------------------------------------------------------
+def test_olmo_free_norm_translations_and_rotation_by_hand():
+    """OLMo's LayerNorms have neither gain nor shift: every reader moved along 1 (W + u 1^T,
+    no bias to compensate), every writer along 1 (W + 1 u^T, embedding rows + c 1^T), then the
+    stream rotated by a Haar rotation Q of 1^perp (E Q^T, Q W_out, W_in Q^T)."""
+    model = ZOO["olmo"]()
+    moved, P = _edit(model)
+    d, one = 8, torch.ones(8, dtype=torch.float64)
+    Q = _haar_fixing_ones(d, seed=90)
+    readers = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+               "mlp.up_proj")
+    with torch.no_grad():
+        k = 0
+        for n, W in P.items():
+            k += 1
+            if n.endswith(tuple(r + ".weight" for r in readers)) or n == "lm_head.weight":
+                W.add_(torch.outer(_randn(W.shape[0], seed=k, scale=3.0), one))
+                W.copy_(W @ Q.T)
+            elif n.endswith(("o_proj.weight", "down_proj.weight")):
+                W.add_(torch.outer(one, _randn(W.shape[1], seed=k, scale=3.0)))
+                W.copy_(Q @ W)
+            elif n == "model.embed_tokens.weight":
+                W.add_(torch.outer(_randn(W.shape[0], seed=k, scale=3.0), one))
+                W.copy_(W @ Q.T)
+    _check(model, moved, _data())
+
+
 # -- T5: relative attention biases, the encoder's last norm -------------------------------------
 def test_t5_score_bias_shift_and_encoder_norm_gain_by_hand():
     """A constant per head added to every relative-attention-bias table (a softmax shift of that
@@ -226,6 +253,6 @@ def test_audit_opt_explains_every_flat_direction():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2_untied", "t5", "bart"])
+@pytest.mark.parametrize("name", ["gpt2_untied", "t5", "bart", "olmo"])
 def test_audit_decoders_explain_every_flat_direction(name):
     _audit_zero(name)

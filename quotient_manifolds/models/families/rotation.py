@@ -44,6 +44,7 @@ from ..paths import feeds_only, reaches_only
 from ..records import Symmetries
 from ..symmetry import Fold, Scene, SymmetryFamily
 from .centring import CentringFold, ReaderCentringFold, centres
+from .free_norm import free_norm, width
 from .norm_gain import NormGainFold
 from .shift_reader import ShiftReaderFold
 
@@ -212,7 +213,7 @@ class ResidualRotations(SymmetryFamily):
     symmetries = ("complete",)
 
     def present(self, scene: Scene) -> bool:
-        return any_norm(scene.modules.values())
+        return any_norm(scene.modules.values()) or any(map(free_norm, scene.modules.values()))
 
     def find(self, scene: Scene) -> None:
         p = scene.prober
@@ -224,8 +225,8 @@ class ResidualRotations(SymmetryFamily):
         norms: dict[str, tuple] = {}
         for c in p.calls:
             m = p.modules[c.name]
-            if (c.name in norms or not is_norm(m) or not isinstance(c.out, torch.Tensor)
-                    or norm_weight(m).numel() != d):
+            if (c.name in norms or not (is_norm(m) or free_norm(m))
+                    or not isinstance(c.out, torch.Tensor) or width(c.out) != d):
                 continue
             found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
             if not found or not found[0] or not reaches_only(p, c.name, found[1]):
@@ -242,6 +243,8 @@ class ResidualRotations(SymmetryFamily):
                  for x in readers.values()]
         loose: set[str] = set()  # norms whose shift no reader's bias can take up
         for name, (m, c, cons) in norms.items():
+            if free_norm(m):
+                continue  # nothing to fold
             offset = norm_offset(m, c.args, c.kwargs)
             if offset is None:
                 return
@@ -283,7 +286,8 @@ class ResidualRotations(SymmetryFamily):
                 if centred[0]:
                     gauge.append(CentringFold(name, p.name(lin.bias), 0))
         if centred[0]:
-            gauge += [ReaderCentringFold(name, x, p.name(norm_weight(m)), None, 0.0)
+            gauge += [ReaderCentringFold(name, x, "" if free_norm(m) else p.name(norm_weight(m)),
+                                         None, 0.0)
                       for name, (m, _, cons) in norms.items() for x in cons
                       if name not in loose]
         gauge.sort(key=lambda f: f.order)
