@@ -20,6 +20,8 @@ from .norm_shift import NormShiftFold, NormShifts
 from .qk_norm import QKNorms, QKNormScaleFold
 from .relu_pairs import HomogeneousPairs
 from .rotation import ResidualRotations, RotationFold
+from .score_shift import ScoreShiftFold, ScoreShifts
+from .shift_reader import ShiftReaderFold
 from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
 from .token_shifts import SliceShiftFold, TokenShifts
 
@@ -35,6 +37,9 @@ __all__ = [
     "ReaderCentringFold",
     "ResidualRotations",
     "RotationFold",
+    "ScoreShiftFold",
+    "ScoreShifts",
+    "ShiftReaderFold",
     "SliceShiftFold",
     "SoftmaxShift",
     "SoftmaxShiftFold",
@@ -68,6 +73,7 @@ FAMILIES: list[SymmetryFamily] = [
     EmbeddingShifts(),
     TokenShifts(),
     SoftmaxShift(),
+    ScoreShifts(),
     ResidualRotations(),
 ]
 """The families of [`discover`][quotient_manifolds.models.discover], asked in order."""

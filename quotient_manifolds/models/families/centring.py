@@ -43,6 +43,8 @@ from ..paths import feeds_only, pooled_readers
 from ..precision import run_module
 from ..prober import Prober
 from ..symmetry import Centring, Fold, Scene, SymmetryFamily, random_normal, rms
+from .free_norm import free_norm, width
+from .shift_reader import ShiftReaderFold
 
 __all__ = ["CentringFold", "LayerNormCentring", "ReaderCentringFold", "centres"]
 
@@ -116,6 +118,9 @@ class ReaderCentringFold(Fold):
         return tuple(dict.fromkeys(n for n in names if n is not None))
 
     def _v(self, params: Params) -> torch.Tensor:
+        if not self.gain:  # a parameter-free norm
+            M = self.consumer.read(params)[0]
+            return torch.ones(M.shape[1], dtype=M.dtype, device=M.device)
         return 1.0 / (params[self.gain] + self.offset).reshape(-1)
 
     def _move(self, params: Params, u: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -225,18 +230,19 @@ class LayerNormCentring(SymmetryFamily):
     symmetries = ("complete",)
 
     def present(self, scene: Scene) -> bool:
-        return any_norm(scene.modules.values())
+        return any_norm(scene.modules.values()) or any(map(free_norm, scene.modules.values()))
 
     def find(self, scene: Scene) -> None:
         p = scene.prober
         norms = {}
         for c in p.calls:
             m = p.modules[c.name]
-            if c.name not in norms and is_norm(m) and centres(m, c.args, c.kwargs):
+            if c.name not in norms and (is_norm(m) or free_norm(m)) and centres(m, c.args,
+                                                                              c.kwargs):
                 norms[c.name] = c
         if not norms:
             return
-        widths = {norm_weight(p.modules[n]).numel() for n in norms}
+        widths = {w for c in norms.values() if (w := width(c.out)) is not None}
         self._writers(scene, p, list(norms), widths)
         self._readers(scene, p, norms)
 
@@ -265,17 +271,21 @@ class LayerNormCentring(SymmetryFamily):
         calls = p.parameterised_calls()
         for name, call in norms.items():
             m = p.modules[name]
-            offset = norm_offset(m, call.args, call.kwargs) if isinstance(
+            free = free_norm(m)  # no gain, no shift: v = 1
+            offset = 0.0 if free else norm_offset(m, call.args, call.kwargs) if isinstance(
                 call.out, torch.Tensor) else None
-            if offset is None:
+            d = width(call.out)
+            if offset is None or d is None:
                 continue
-            d = norm_weight(m).numel()
             found = readers_of(calls, ReadQuery(storage(call.out), d, p.name, p.pname))
             if not found:
                 continue
             consumers = found[0] or pooled_readers(p, name, d)[0]
-            gain, shift = p.name(norm_weight(m)), p.pname(norm_bias(m))
+            gain = "" if free else p.name(norm_weight(m))
+            shift = None if free else p.pname(norm_bias(m))
             for cons in consumers:
                 if shift is not None and cons.bias is None:
-                    continue  # the shift's contribution could not be compensated
+                    continue  # no bias to take up the shift's part: the shift takes it up
                 scene.propose([ReaderCentringFold(name, cons, gain, shift, offset)])
+            if shift is not None and any(c.bias is None for c in consumers):
+                scene.propose([ShiftReaderFold(name, tuple(consumers), gain, shift, offset)])

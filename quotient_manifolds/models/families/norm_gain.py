@@ -25,7 +25,7 @@ from ..prober import Prober
 from ..records import Fallback
 from ..symmetry import Fold, Scene, SymmetryFamily, full_mask, random_normal, random_scale
 
-__all__ = ["NormGainFold", "NormGains"]
+__all__ = ["NormGainFold", "NormGains", "ReturnedNormGainFold"]
 
 Params = Mapping[str, torch.Tensor]
 
@@ -141,6 +141,24 @@ class NormGainFold(Fold):
         return d
 
 
+@dataclass(frozen=True)
+class ReturnedNormGainFold(NormGainFold):
+    """[`NormGainFold`][quotient_manifolds.models.families.norm_gain.NormGainFold] of a norm
+    whose output is also one of the model's outputs (an encoder's last hidden state, returned
+    beside the logits and read by the decoder's cross-attention): the fold changes that output,
+    so it is a symmetry of a loss of the other outputs only, claimed when the user's loss is
+    unchanged."""
+
+    invariant = "loss"
+
+
+def _returned(p: Prober, name: str) -> bool:
+    """Whether the output of the module `name` is one of the model's outputs."""
+    outs = {storage(t) for t in p.reference or ()}
+    return any(c.name == name and isinstance(c.out, torch.Tensor) and storage(c.out) in outs
+               for c in p.calls)
+
+
 class NormGains(SymmetryFamily):
     """Pre-norm gains and shifts, folded into the linear maps that read the norm's output."""
 
@@ -195,6 +213,12 @@ class NormGains(SymmetryFamily):
             cands = [NormGainFold(name, w, b, offset, tuple(cons), "fold")]
             if bool((g != 0).all()):
                 cands.append(NormGainFold(name, w, b, offset, tuple(cons), "scale"))
+
+        if scene.symmetry == "complete" and _returned(p, name):
+            # the output is also returned (an encoder's last hidden state, read by the decoder's
+            # cross-attention): the fold keeps a loss of the logits, not that output
+            cands += [ReturnedNormGainFold(c.module, c.weight, c.bias, c.offset, c.consumers,
+                                           c.shift) for c in list(cands)]
 
         def reject(p: Prober) -> Fallback | None:
             if not reaches_only(p, name, mods):

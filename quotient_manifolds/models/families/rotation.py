@@ -44,7 +44,9 @@ from ..paths import feeds_only, reaches_only
 from ..records import Symmetries
 from ..symmetry import Fold, Scene, SymmetryFamily
 from .centring import CentringFold, ReaderCentringFold, centres
+from .free_norm import free_norm, width
 from .norm_gain import NormGainFold
+from .shift_reader import ShiftReaderFold
 
 __all__ = ["ResidualRotations", "RotationFold", "StreamPart"]
 
@@ -213,7 +215,7 @@ class ResidualRotations(SymmetryFamily):
     symmetries = ("complete",)
 
     def present(self, scene: Scene) -> bool:
-        return any_norm(scene.modules.values())
+        return any_norm(scene.modules.values()) or any(map(free_norm, scene.modules.values()))
 
     def find(self, scene: Scene) -> None:
         p = scene.prober
@@ -225,8 +227,8 @@ class ResidualRotations(SymmetryFamily):
         norms: dict[str, tuple] = {}
         for c in p.calls:
             m = p.modules[c.name]
-            if (c.name in norms or not is_norm(m) or not isinstance(c.out, torch.Tensor)
-                    or norm_weight(m).numel() != d):
+            if (c.name in norms or not (is_norm(m) or free_norm(m))
+                    or not isinstance(c.out, torch.Tensor) or width(c.out) != d):
                 continue
             found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
             if not found or not found[0] or not reaches_only(p, c.name, found[1]):
@@ -241,12 +243,23 @@ class ResidualRotations(SymmetryFamily):
         gauge: list[Fold] = []
         parts = [StreamPart(x.weight, x.in_axis, False, x.start, x.stop)
                  for x in readers.values()]
+        loose: set[str] = set()  # norms whose shift no reader's bias can take up
         for name, (m, c, cons) in norms.items():
+            if free_norm(m):
+                continue  # nothing to fold
             offset = norm_offset(m, c.args, c.kwargs)
             if offset is None:
                 return
-            b = p.pname(norm_bias(m))
-            gauge.append(NormGainFold(name, p.name(norm_weight(m)), b, offset, tuple(cons),
+            w, b = p.name(norm_weight(m)), p.pname(norm_bias(m))
+            if b is not None and any(x.bias is None for x in cons):
+                loose.add(name)  # the shift stays: (1 after the fold below, or rotated)
+                gauge.append(NormGainFold(name, w, b, offset, tuple(cons), "scale"))
+                if centred[0]:
+                    gauge.append(ShiftReaderFold(name, tuple(cons), w, b, offset))
+                else:
+                    parts.append(StreamPart(b, 0, True))
+                continue
+            gauge.append(NormGainFold(name, w, b, offset, tuple(cons),
                                       "none" if b is None else "fold"))
         reader_names = {x.weight for x in readers.values()}
         sources = [c.name for c in p.calls if c.name not in norms and (
@@ -275,8 +288,10 @@ class ResidualRotations(SymmetryFamily):
                 if centred[0]:
                     gauge.append(CentringFold(name, p.name(lin.bias), 0))
         if centred[0]:
-            gauge += [ReaderCentringFold(name, x, p.name(norm_weight(m)), None, 0.0)
-                      for name, (m, _, cons) in norms.items() for x in cons]
+            gauge += [ReaderCentringFold(name, x, "" if free_norm(m) else p.name(norm_weight(m)),
+                                         None, 0.0)
+                      for name, (m, _, cons) in norms.items() for x in cons
+                      if name not in loose]
         gauge.sort(key=lambda f: f.order)
         in_blocks = {n for b in scene.blocks for n in b.params}
         basis = tuple(x for x in parts if x.param not in in_blocks)

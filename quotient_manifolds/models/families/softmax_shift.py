@@ -12,7 +12,10 @@ Canonical representative: the columns of $W$ and $b$ centred over the classes, f
 
 from __future__ import annotations
 
+import torch
+
 from ..linear import linear_layer, storage
+from ..norms import is_norm, norm_weight
 from ..symmetry import Scene, SymmetryFamily
 from .centring import CentringFold
 
@@ -41,11 +44,18 @@ class SoftmaxShift(SymmetryFamily):
         p = scene.prober
         if scene.loss is None or not p.reference:
             return
-        outputs = {storage(t) for t in p.reference if t.dim() and t.shape[-1] > 1}
-        for c in reversed(p.calls):
-            lin = linear_layer(p.modules[c.name])
-            if lin is None or storage(c.out) not in outputs:
-                continue
+        outs = [t for t in p.reference if t.dim() and t.shape[-1] > 1]
+        outputs = {storage(t) for t in outs}
+        shapes = {tuple(t.shape) for t in outs}
+        heads = [(c, lin) for c in reversed(p.calls)
+                 if (lin := linear_layer(p.modules[c.name])) is not None
+                 and isinstance(c.out, torch.Tensor)]
+        # the head's output is an output, or (BART's final_logits_bias added) the last linear
+        # map is shaped like one and is not as wide as a norm (no hidden state)
+        widths = {norm_weight(m).numel() for m in p.modules.values() if is_norm(m)}
+        for c, lin in ([h for h in heads if storage(h[0].out) in outputs]
+                       or [h for h in heads[:1] if tuple(h[0].out.shape) in shapes
+                           and h[0].out.shape[-1] not in widths]):
             weight = p.name(lin.weight)
             if p.tied(weight):
                 return
