@@ -55,10 +55,10 @@ from .inputs import (
     float_dtype,
     model_device,
     signature_names,
-    torch_inputs,
 )
 from .loss_probe import LossOf
 from .precision import float64_copy, float64_internals, lowest_precision, no_fastpath, run_module
+from .probe_inputs import randomise_inputs, redraw_weights, synthesise_inputs
 from .records import PROBE_EXCITATION, PROBE_RTOL, ProbeRecord
 
 __all__ = [
@@ -81,11 +81,6 @@ the output of every row."""
 
 _SCALES = (1.0, 8.0, 64.0, 1 / 8, 1 / 64)
 _RATIO = 1e-4  # a symmetric change must move the output 10⁴ times less than the control
-_HIDDEN_NAMES = frozenset({
-    "hidden_states", "hidden_state", "encoder_hidden_states", "key_value_states", "x",
-    "query", "key", "value", "input", "inputs", "src", "tgt", "memory",
-})
-
 Params = Mapping[str, torch.Tensor]
 
 
@@ -206,44 +201,6 @@ def _probe_module(block: BlockSpec, lookup: Mapping[str, nn.Module]) -> str:
     return prefix
 
 
-def _is_mask_like(t: torch.Tensor) -> bool:
-    return bool((~torch.isfinite(t)).any()) or float(t.min()) < -1e4
-
-
-def _randomise(args: tuple, kwargs: dict, scale: float, gen: torch.Generator
-               ) -> tuple[tuple, dict]:
-    """The hidden-state inputs of a module call redrawn as Gaussians of the same RMS times
-    `scale` (masks, ids and caches kept; a key/value cache is dropped)."""
-    def draw(t: torch.Tensor) -> torch.Tensor:
-        rms = float(t.pow(2).mean().sqrt()) if t.numel() else 1.0
-        rms = rms if rms > 0 and math.isfinite(rms) else 1.0
-        r = torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t)
-        return r * (rms * scale)
-
-    new_args = tuple(
-        draw(a) if (i < 3 and isinstance(a, torch.Tensor) and a.is_floating_point()
-                    and a.dim() >= 2 and not _is_mask_like(a)) else a
-        for i, a in enumerate(args))
-    new_kwargs: dict[str, Any] = {}
-    for k, v in kwargs.items():
-        if k in _HIDDEN_NAMES and isinstance(v, torch.Tensor) and v.is_floating_point():
-            new_kwargs[k] = draw(v)
-        elif type(v).__name__.endswith("Cache"):
-            new_kwargs[k] = None  # never update a key/value cache while probing
-        else:
-            new_kwargs[k] = v
-    return new_args, new_kwargs
-
-
-def _redraw(params: Params, names: Iterable[str], gen: torch.Generator) -> dict:
-    out = dict(params)
-    for n in names:
-        t = params[n]
-        sigma = 1.0 / math.sqrt(min(t.shape)) if t.dim() >= 2 else 1.0
-        out[n] = (torch.randn(t.shape, generator=gen, dtype=torch.float64) * sigma).to(t)
-    return out
-
-
 def _local(prefix: str, params: Params, names: Iterable[str]) -> dict:
     cut = len(prefix) + 1 if prefix else 0
     return {n[cut:]: params[n] for n in names}
@@ -291,19 +248,6 @@ def _float32_calls(model: nn.Module, args: tuple, kwargs: dict) -> list[ModuleCa
 
     return [ModuleCall(c.name, tree_map(wide, tuple(c.args)), tree_map(wide, dict(c.kwargs)),
                        None) for c in calls]
-
-
-def _synthesise(module: nn.Module, d_in: int | None, gen: torch.Generator
-                ) -> tuple[tuple, dict] | None:
-    """A random input of a module that the traced forward did not reach."""
-    dtype, device = float_dtype(module), model_device(module)
-    out = torch_inputs(module, gen, device, dtype)
-    if out is not None:
-        return out
-    d = d_in or getattr(module, "in_features", None)
-    if d is None:
-        return None
-    return (torch.randn(2, 7, int(d), generator=gen, dtype=dtype).to(device),), {}
 
 
 class Prober:
@@ -548,7 +492,7 @@ class Prober:
         module = self.modules[prefix]
         traced = self.first_call(prefix)
         dims = input_dims or {}
-        call = (traced.args, traced.kwargs) if traced is not None else _synthesise(
+        call = (traced.args, traced.kwargs) if traced is not None else synthesise_inputs(
             module, dims.get(block.module) or dims.get(prefix), self.gen)
         if call is None:
             return None
@@ -569,7 +513,7 @@ class Prober:
         inside = prefix + "." if prefix else ""
         others = [n for n in self.params if n.startswith(inside) and n not in names
                   and self.params[n].is_floating_point()]
-        base = _redraw(self.params, [*names, *others], self.gen)
+        base = redraw_weights(self.params, [*names, *others], self.gen)
         A = random_group_element(block.group, block.heads, block.h, self.gen)
         sym = block.apply_element(base, A)
         ctrl = block.apply_element(base, A, one_sided=True)
@@ -578,7 +522,7 @@ class Prober:
         err = ref = math.nan
         scale = _SCALES[0]
         for scale in _SCALES:
-            a, kw = _randomise(args, kwargs, scale, self.gen)
+            a, kw = randomise_inputs(args, kwargs, scale, self.gen)
             y0 = [_first_float(run_module(module, pa, a, kw))]
             err = relative_change(y0, [_first_float(run_module(module, ps, a, kw))])
             ref = relative_change(y0, [_first_float(run_module(module, pc, a, kw))])
