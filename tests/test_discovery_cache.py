@@ -130,8 +130,9 @@ def test_the_loss_is_part_of_the_key_for_the_complete_group_only():
     assert first is not ce  # another function: its code is not hf_loss's
     assert qm.symmetries_of(model, make(), data, geometry=complete) is first
     assert (cache.hits, cache.misses) == (1, 3)
-    full = qm.symmetries_of(model, hf_loss, data)
-    assert qm.symmetries_of(model, other_loss, data) is full  # "full" does not read the loss
+    full = qm.Geometry(symmetry="full")
+    sym_full = qm.symmetries_of(model, hf_loss, data, geometry=full)
+    assert qm.symmetries_of(model, other_loss, data, geometry=full) is sym_full  # no loss read
     assert (cache.hits, cache.misses) == (2, 4)
 
 

@@ -281,8 +281,10 @@ def test_model_geometry_gather_scatter_and_grad(factory):
 
 
 def test_model_geometry_is_the_product_of_the_manifolds_tangent_spaces():
+    """Under the full group (under the complete one the adaptive part is also projected off the
+    translation orbits: tests/test_horizontal_translations.py)."""
     model = small_bert()
-    geo = qm.ModelGeometry(model)
+    geo = qm.ModelGeometry(model, qm.Geometry(symmetry="full"))
     u = geo.space.proju(torch.randn(geo.D, dtype=geo.dtype))
     parts = geo.space.split(u)
     live = geo.w0 != 0  # zero weights (untrained biases) are frozen: no metric term

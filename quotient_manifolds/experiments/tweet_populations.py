@@ -113,7 +113,7 @@ class TweetPopulation(FinetuneExperiment):
     def protocol(self, quick: bool) -> dict:
         raise NotImplementedError
 
-    def prepare(self, store, quick):
+    def prepare(self, store: Any, quick: bool) -> dict:
         from .minilm_finetune import load_pretrained
         from .tweet_domains import load_domain_data
 
@@ -125,37 +125,39 @@ class TweetPopulation(FinetuneExperiment):
         return {"bert": bert, "data": data, "log": None, "mask_id": int(tok.mask_token_id),
                 "special": special}
 
-    def params(self, quick):
+    def params(self, quick: bool) -> Any:
         from .minilm_finetune import perturbed
 
         return perturbed
 
-    def build(self, ctx, member, state, quick):
+    def build(self, ctx: dict, member: Any, state: Mapping[str, torch.Tensor],
+              quick: bool) -> nn.Module:
         from .minilm_finetune import build_member
 
         model = build_member(ctx["bert"], int(member.hyper["seed"]))
         model.load_state_dict(state)
         return model.eval()
 
-    def batches(self, ctx, member, quick):
+    def batches(self, ctx: dict, member: Any, quick: bool) -> list:
         p = self.protocol(quick)
         d, n, b = ctx["data"], p["n_sharp"], p["sharp_batch"]
         return [(d["ids"][i:i + b], d["mask"][i:i + b], d["labels"][i:i + b])
                 for i in range(0, n, b)]
 
-    def batches_doc(self, quick):
+    def batches_doc(self, quick: bool) -> str:
         p = self.protocol(quick)
         return (f"the first {p['n_sharp']} training tweets (every member's training set) in "
                 f"batches of {p['sharp_batch']}, clean labels, plain cross-entropy; the value "
                 "is the mean over batches")
 
     @staticmethod
-    def loss_fn(model, batch):
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
         from .minilm_finetune import loss_fn
 
         return loss_fn(model, batch)
 
-    def finish(self, ctx, store, members, dropped, *, mhash, quick, t_start):
+    def finish(self, ctx: Any, store: Any, members: Sequence[Any], dropped: Sequence[Any], *,
+               mhash: str, quick: bool, t_start: float) -> dict:
         """The template's summary, plus the τ against the shifted gap (`vs_shift_gap`) and
         the evaluation noise of both gaps (`gap_noise`)."""
         from .report import summarize

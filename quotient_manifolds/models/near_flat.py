@@ -111,7 +111,7 @@ class NearFlat:
 @contextlib.contextmanager
 def _eps(m: nn.Module, value: float) -> Iterator[None]:
     old = m.eps
-    m.eps = value
+    m.eps = value  # type: ignore[assignment]  # a norm's float attribute
     try:
         yield
     finally:
@@ -191,9 +191,11 @@ def _writers(p: Prober, norm: str, x: torch.Tensor, d: int
             found = readers_of(calls, ReadQuery(storage(y), d, p.name, p.pname))
             if found is None or not _moves_by_delta(p, c.name, found[1], norm, x):
                 continue
-            up += [p.name(norm_weight(m))]
-            if norm_bias(m) is not None:
-                up.append(p.name(norm_bias(m)))
+            gain, shift = norm_weight(m), norm_bias(m)
+            if gain is not None:
+                up.append(p.name(gain))
+            if shift is not None:
+                up.append(p.name(shift))
             down += found[0]
     return list(dict.fromkeys(up)), down
 

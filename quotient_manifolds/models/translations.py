@@ -130,12 +130,14 @@ class _Tangent:
         def moved(names):
             return lambda th: {n: fold.act_at(params, th)[n] for n in names}
 
-        if type(fold).act_at is CentringFold.act_at:  # a value broadcast along an axis
-            w = params[fold.param]
+        closed = isinstance(fold, CentringFold) and type(fold).act_at is CentringFold.act_at
+        if closed and isinstance(fold, CentringFold):
+            name, axis = fold.param, fold.axis  # a value broadcast along an axis
+            w = params[name]
             line = list(w.shape)
-            line[fold.axis] = 1
-            self._tangent = lambda th: {fold.param: th.view(line).expand(w.shape)}
-            self._adj = lambda cot: (cot[fold.param].sum(fold.axis).reshape(-1),)
+            line[axis] = 1
+            self._tangent = lambda th: {name: th.view(line).expand(w.shape)}
+            self._adj = lambda cot: (cot[name].sum(axis).reshape(-1),)
         else:  # forward and reverse mode through the fold's own action
             self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
             self._adj = lambda cot: self._vjp(cot)
@@ -147,8 +149,8 @@ class _Tangent:
         if not self.names:
             return
         self._fn = moved(self.names)
-        if type(fold).act_at is not CentringFold.act_at:
-            _, self._vjp = vjp(self._fn, theta0)
+        if not closed:
+            self._vjp = vjp(self._fn, theta0)[1]
         self._shapes = {n: params[n].shape for n in self.names}
 
     @staticmethod

@@ -233,5 +233,5 @@ class EmbeddingShifts(SymmetryFamily):
                     scene.propose([EmbeddingShiftFold(name, w, o, row),
                                    TiedEmbeddingShiftFold(name, w, o, row, constant=True),
                                    TiedEmbeddingShiftFold(name, w, o, row)])
-                    if paired:
-                        scene.propose([PadShiftFold(name, w, o, int(pad))])
+                    if paired and isinstance(pad, int):
+                        scene.propose([PadShiftFold(name, w, o, pad)])

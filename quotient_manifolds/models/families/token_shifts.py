@@ -86,7 +86,7 @@ class SliceShiftFold(Fold):
         return {**super().describe(), "rows": [self.start, self.stop]}
 
 
-def _conv_bias(m: nn.Module) -> nn.Parameter | None:
+def _conv_bias(m: nn.Module) -> torch.Tensor | None:
     convs = [c for c in m.modules() if isinstance(c, nn.modules.conv._ConvNd)]
     if len(convs) != 1 or convs[0].bias is None:
         return None
