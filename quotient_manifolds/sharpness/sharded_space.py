@@ -29,10 +29,11 @@ same loss and the same full gradient; the backward of the gather keeps the rank'
 
 The projection onto the complement of the translation orbits (the horizontal adaptive space of
 the complete group) couples entries across a parameter (a mean along an axis, a shift of an
-embedding table), which a contiguous slice cuts: [`ShardedConstraint`][quotient_manifolds.sharpness.sharded_space.ShardedConstraint]
-all-gathers the slices of the vector (one `all_gather` of the adaptive part per projection, and
-one of the weights $m$ per new $m$), projects the whole vector with the constraint built on the
-whole base point, exactly as one process does, and keeps this rank's slice.
+embedding table), which a contiguous slice cuts:
+[`ShardedConstraint`][quotient_manifolds.sharpness.sharded_space.ShardedConstraint]
+all-gathers the slices of the vector (one `all_gather` of the adaptive part per projection,
+and one of the weights $m$ per new $m$), projects the whole vector with the constraint built
+on the whole base point, exactly as one process does, and keeps this rank's slice.
 """
 
 from __future__ import annotations
@@ -319,7 +320,8 @@ class ShardedGeometry(ModelGeometry):
                         ) -> tuple[AdaptiveEuclidean, AdaptiveTangentSpace,
                                    TranslationConstraint | None]:
         """The adaptive space of this rank's slice `w0`, horizontal to the translation orbits
-        through the whole-vector projection ([`ShardedConstraint`][quotient_manifolds.sharpness.sharded_space.ShardedConstraint])."""
+        through the whole-vector projection
+        ([`ShardedConstraint`][quotient_manifolds.sharpness.sharded_space.ShardedConstraint])."""
         group, rank, size = self._mp
         total = self._adaptive_total
         return adaptive_space(geometry, w0, folds, base, entries, dtype, size=total,
