@@ -321,8 +321,7 @@ class ModelGeometry:
         params: ParamSelection = None,
         symmetries: Symmetries | None = None,
         warn: bool = True,
-        example_inputs: Any = None,
-        probed: Any = None,
+        example_inputs: Any = None, probed: Any = None,
     ) -> None:
         geometry = QuotientConfig() if geometry is None else geometry
         if not isinstance(geometry, QuotientConfig):
