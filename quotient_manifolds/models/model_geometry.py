@@ -321,8 +321,7 @@ class ModelGeometry:
         params: ParamSelection = None,
         symmetries: Symmetries | None = None,
         warn: bool = True,
-        example_inputs: Any = None,
-        probed: Any = None,
+        example_inputs: Any = None, probed: Any = None,
     ) -> None:
         geometry = QuotientConfig() if geometry is None else geometry
         if not isinstance(geometry, QuotientConfig):
@@ -367,7 +366,7 @@ class ModelGeometry:
         self.entries, pieces, self.n_masked_zeros = _adaptive_entries(
             self.selected, self.base, self.claimed, self.frozen, g.adaptive_eps, self.dtype)
         self.w0 = self._flat_point(pieces)
-        self.adaptive, self.adaptive_space, self.translations = adaptive_space(
+        self.adaptive, self.adaptive_space, self.translations = self._adaptive_space(
             g, self.w0, translations, self.base, self.entries, self.dtype)
         self._point_buffer: torch.Tensor | None = None
         self._point_origin: object | None = None  # the RowLayout family last written there
@@ -397,6 +396,7 @@ class ModelGeometry:
         return groups
 
     _group_point, _flat_point = _group_point, _flat_point  # a subclass may keep some rows
+    _adaptive_space = staticmethod(adaptive_space)  # and project on the whole adaptive vector
 
     def _device(self) -> torch.device:
         """Device of the model's parameters (CPU for a model without any)."""

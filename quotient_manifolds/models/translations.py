@@ -39,14 +39,14 @@ canonical first row is zero.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.func import jvp, vjp, vmap
 
 from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
-from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace
+from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace, LinearConstraint
 from .families.centring import CentringFold, ReaderCentringFold
 from .families.embeddings import EmbeddingShiftFold
 from .families.norm_shift import NormShiftFold
@@ -437,16 +437,24 @@ def horizontal_translations(folds: Sequence[Fold], base: Params,
 
 
 def adaptive_space(geometry: Any, w0: torch.Tensor, folds: Sequence[Fold], base: Params,
-                   entries: Sequence[Any], dtype: torch.dtype
+                   entries: Sequence[Any], dtype: torch.dtype,
+                   wrap: Callable[[TranslationConstraint], LinearConstraint] | None = None,
+                   size: int | None = None
                    ) -> tuple[AdaptiveEuclidean, AdaptiveTangentSpace,
                               TranslationConstraint | None]:
     """`(manifold, space, constraint)` of the adaptive entries at `w0` (`geometry`: its
     `adaptive_eps` and `adaptive_retraction`): the space horizontal to the orbits of the
     translation `folds`, or the plain adaptive space (`constraint` `None`) when no fold moves
-    an adaptive entry."""
+    an adaptive entry.
+
+    `size` is the length of the whole flat adaptive vector that `entries` index (default
+    `w0.numel()`); a `w0` that is a slice of it (a model-parallel rank's) needs `wrap`, the
+    constraint the space applies to its slices (`wrap(constraint)`)."""
     manifold = AdaptiveEuclidean(geometry.adaptive_eps, geometry.adaptive_retraction, ndim=1,
                                  validate=False)
-    tc = TranslationConstraint(folds, base, entries, w0.numel(), dtype) if folds else None
+    n = w0.numel() if size is None else size
+    tc = TranslationConstraint(folds, base, entries, n, dtype) if folds else None
     if tc is None or not tc.components:
         return manifold, manifold.at(w0), None
-    return manifold, ConstrainedAdaptiveTangentSpace(manifold, w0, tc), tc
+    space_tc = tc if wrap is None else wrap(tc)
+    return manifold, ConstrainedAdaptiveTangentSpace(manifold, w0, space_tc), tc

@@ -26,6 +26,14 @@ retracts the local share, all-gathers the points (one `all_gather` of the packed
 evaluation) and writes them into the parameters. Every rank of the group then computes the
 same loss and the same full gradient; the backward of the gather keeps the rank's own rows
 (no collective: the gradients are equal on every rank already).
+
+The projection onto the complement of the translation orbits (the horizontal adaptive space of
+the complete group) couples entries across a parameter (a mean along an axis, a shift of an
+embedding table), which a contiguous slice cuts:
+[`ShardedConstraint`][quotient_manifolds.sharpness.sharded_space.ShardedConstraint]
+all-gathers the slices of the vector (one `all_gather` of the adaptive part per projection,
+and one of the weights $m$ per new $m$), projects the whole vector with the constraint built
+on the whole base point, exactly as one process does, and keeps this rank's slice.
 """
 
 from __future__ import annotations
@@ -38,14 +46,16 @@ import torch
 from torch import nn
 
 from ..errors import ShardedModelError
+from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
 from ..manifolds.base import Generator, TangentSpace, standard_normal
 from ..manifolds.product import ProductTangentSpace
 from ..models.blocks import BlockSpec, gather_block
 from ..models.config import QuotientConfig
 from ..models.model_geometry import ModelGeometry
 from ..models.row_layout import RowLayout
+from ..models.translations import TranslationConstraint, adaptive_space
 
-__all__ = ["Partition", "ShardedSpace", "ShardedGeometry"]
+__all__ = ["Partition", "ShardedConstraint", "ShardedSpace", "ShardedGeometry"]
 
 
 def _dist():
@@ -177,6 +187,41 @@ class ShardedSpace(ProductTangentSpace):
                                 "(Geometry(ball='metric'))")
 
 
+class ShardedConstraint:
+    r"""A [`LinearConstraint`][quotient_manifolds.manifolds.constrained.LinearConstraint] on
+    this rank's slice `[lo, hi)` of the flat adaptive vector: `project(u, m)` all-gathers the
+    slices of `u` (and of `m`, once per `m`), applies the whole-vector `constraint`
+    ($\Pi_V$ of one process) and returns this rank's slice of the result. Every rank of `group`
+    must call it the same number of times (a collective)."""
+
+    def __init__(self, constraint: TranslationConstraint, group: object, rank: int,
+                 size: int, total: int) -> None:
+        self.constraint, self.group = constraint, group
+        self.counts = [b - a for a, b in (_share(total, r, size) for r in range(size))]
+        self.lo, self.hi = _share(total, rank, size)
+        self._m: tuple[torch.Tensor, torch.Tensor] | None = None  # (this rank's m, whole m)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole vectors `(..., total)` from every rank's slices `(..., hi - lo)`."""
+        rows = x.detach().reshape(-1, x.shape[-1])
+        width = max(self.counts)
+        mine = torch.zeros(rows.shape[0], width, dtype=x.dtype, device=x.device)
+        mine[:, :rows.shape[1]] = rows
+        bufs = [torch.empty_like(mine) for _ in self.counts]
+        _dist().all_gather(bufs, mine, group=self.group)
+        whole = torch.cat([b[:, :n] for b, n in zip(bufs, self.counts, strict=True)], dim=1)
+        return whole.reshape(*x.shape[:-1], whole.shape[-1])
+
+    def project(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        r"""This rank's slice of $\Pi_V$ of the whole vector (not differentiable)."""
+        if torch.is_grad_enabled() and u.requires_grad:
+            raise ShardedModelError("the sharded translation projection is not differentiable; "
+                                    "call it under torch.no_grad() on a detached vector")
+        if self._m is None or self._m[0] is not m:  # the constraint caches on the whole m
+            self._m = (m, self._gather(m))
+        return self.constraint.project(self._gather(u), self._m[1])[..., self.lo:self.hi]
+
+
 @dataclass
 class _GroupInfo:
     """What the engine reads of a block group: its shape, blocks and (a meta tensor of) the
@@ -268,6 +313,19 @@ class ShardedGeometry(ModelGeometry):
             at += p.numel()
         return torch.cat(out) if out else torch.zeros(0, dtype=self.dtype,
                                                       device=self._device())
+
+    def _adaptive_space(self, geometry: QuotientConfig, w0: torch.Tensor, folds: Sequence[Any],
+                        base: Mapping[str, torch.Tensor], entries: Sequence[Any],
+                        dtype: torch.dtype
+                        ) -> tuple[AdaptiveEuclidean, AdaptiveTangentSpace,
+                                   TranslationConstraint | None]:
+        """The adaptive space of this rank's slice `w0`, horizontal to the translation orbits
+        through the whole-vector projection
+        ([`ShardedConstraint`][quotient_manifolds.sharpness.sharded_space.ShardedConstraint])."""
+        group, rank, size = self._mp
+        total = self._adaptive_total
+        return adaptive_space(geometry, w0, folds, base, entries, dtype, size=total,
+                              wrap=lambda tc: ShardedConstraint(tc, group, rank, size, total))
 
     def w2(self) -> torch.Tensor:
         raise ShardedModelError("a model-parallel call measures in the metric ball only "
