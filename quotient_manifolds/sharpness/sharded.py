@@ -114,11 +114,11 @@ def _ranks(group) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _layout(model: nn.Module, names: list[str]) -> tuple[object, object]:
+def _layout(model: nn.Module, names: list[str]) -> tuple[Any, Any]:
     """The model-parallel group and the data group (None on a 1-D mesh) of the DTensors."""
     from torch.distributed.tensor import Replicate
 
-    named = dict(model.named_parameters())
+    named: dict[str, Any] = dict(model.named_parameters())  # DTensors
     meshes = {id(named[n].device_mesh): named[n].device_mesh for n in names}
     if len(meshes) != 1:
         raise ShardedModelError(
@@ -180,7 +180,7 @@ def _unsharded(model: nn.Module) -> nn.Module:
     def copy(m: nn.Module) -> nn.Module:
         if id(m) in memo:
             return memo[id(m)]
-        new = object.__new__(_plain_class(m))
+        new: nn.Module = object.__new__(_plain_class(m))
         new.__dict__.update((k, v) for k, v in m.__dict__.items()
                             if not k.startswith(_FSDP_ATTRS))  # FSDP's state and flags
         memo[id(m)] = new

@@ -277,7 +277,8 @@ class ShardedGeometry(ModelGeometry):
                        for grp in self.groups] + [(self._adaptive_total,)]
         self.part = Partition.of(full_shapes, group, rank, size)
         spaces = [grp.space for grp in self.groups] + [self.adaptive_space]
-        self.groups = [_GroupInfo(g.n, g.m, g.h, g.blocks, torch.empty(sh, device="meta"))
+        self.groups = [_GroupInfo(g.n, g.m, g.h, g.blocks,  # type: ignore[misc]  # shapes only
+                                  torch.empty(sh, device="meta"))
                        for g, sh in zip(self.groups, full_shapes, strict=False)]
         self.space = ShardedSpace(spaces, self.part, full_shapes, self.space.labels,
                                   self.kinds)
@@ -314,7 +315,8 @@ class ShardedGeometry(ModelGeometry):
         return torch.cat(out) if out else torch.zeros(0, dtype=self.dtype,
                                                       device=self._device())
 
-    def _adaptive_space(self, geometry: QuotientConfig, w0: torch.Tensor, folds: Sequence[Any],
+    def _adaptive_space(  # type: ignore[override]  # a method where the base has a function
+            self, geometry: QuotientConfig, w0: torch.Tensor, folds: Sequence[Any],
                         base: Mapping[str, torch.Tensor], entries: Sequence[Any],
                         dtype: torch.dtype
                         ) -> tuple[AdaptiveEuclidean, AdaptiveTangentSpace,
