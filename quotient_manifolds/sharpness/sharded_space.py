@@ -316,11 +316,9 @@ class ShardedGeometry(ModelGeometry):
                                                       device=self._device())
 
     def _adaptive_space(  # type: ignore[override]  # a method where the base has a function
-            self, geometry: QuotientConfig, w0: torch.Tensor, folds: Sequence[Any],
-                        base: Mapping[str, torch.Tensor], entries: Sequence[Any],
-                        dtype: torch.dtype
-                        ) -> tuple[AdaptiveEuclidean, AdaptiveTangentSpace,
-                                   TranslationConstraint | None]:
+        self, geometry: QuotientConfig, w0: torch.Tensor, folds: Sequence[Any],
+        base: Mapping[str, torch.Tensor], entries: Sequence[Any], dtype: torch.dtype,
+    ) -> tuple[AdaptiveEuclidean, AdaptiveTangentSpace, TranslationConstraint | None]:
         """The adaptive space of this rank's slice `w0`, horizontal to the translation orbits
         through the whole-vector projection
         ([`ShardedConstraint`][quotient_manifolds.sharpness.sharded_space.ShardedConstraint])."""
