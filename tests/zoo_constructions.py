@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -256,14 +257,33 @@ def mlp_block(ctx: Ctx, claim: Any) -> None:
     kids = dict(ctx.modules[claim.module].named_children())
     up, down = next(((u, d) for u, d in _MLP if u in kids and d in kids), (None, None))
     if up is None:
-        raise KeyError(f"no MLP layout for {claim.module}: add its (input, output) pair to "
-                       "_MLP in tests/zoo_constructions.py")
+        return _linear_pair(ctx, claim)
     W = ctx.P[pre + up + ".weight"]
     lam = ctx.scales(W.shape[0], signed=not claim.connected)
     W.mul_(lam[:, None])
     if pre + up + ".bias" in ctx.P:
         ctx.P[pre + up + ".bias"].mul_(lam)
     ctx.P[pre + down + ".weight"].div_(lam[None, :])
+
+
+def _linear_pair(ctx: Ctx, claim: Any) -> None:
+    r"""A unit scaling between two linear maps with a ReLU-like function applied between them
+    in the model's `forward` (DistilBERT's `pre_classifier` -> `classifier`): the claim's note
+    names the two modules, `source -> reader`; the source's output rows (and bias) $\times λ_i$,
+    the reader's input columns $/ λ_i$, read from the module types ($λ > 0$: a sign changes
+    the outputs through the ReLU)."""
+    src, _, dst = claim.note.partition(" -> ")
+    readers = [r.strip() for r in dst.split(",")]
+    if not readers[0] or any(type(ctx.modules[m]) is not nn.Linear for m in (src, *readers)):
+        raise KeyError(f"no MLP layout for {claim.module} ({claim.note!r}): add its (input, "
+                       "output) pair to _MLP in tests/zoo_constructions.py")
+    W = ctx.P[f"{src}.weight"]
+    lam = ctx.scales(W.shape[0], signed=not claim.connected)
+    W.mul_(lam[:, None])
+    if f"{src}.bias" in ctx.P:
+        ctx.P[f"{src}.bias"].mul_(lam)
+    for r in readers:
+        ctx.P[f"{r}.weight"].div_(lam[None, :])
 
 
 # -- norms -------------------------------------------------------------------------------------
@@ -294,8 +314,20 @@ def is_centring(norm: nn.Module, d: int) -> bool:
 
 
 def _norm_params(ctx: Ctx, module: str) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    r"""Gain, shift and gain offset; a norm without parameters (OLMo's) has the constant gain
+    $\mathbb 1$ (returned as a fresh tensor: nothing to edit) and no shift."""
+    if f"{module}.weight" not in ctx.P:
+        if any(True for _ in ctx.modules[module].parameters()):
+            raise KeyError(f"{module}: a norm with parameters other than weight/bias")
+        return torch.zeros(_free_width(ctx, module), dtype=torch.float64), None, 1.0
     w = ctx.P[f"{module}.weight"]
     return w, ctx.P.get(f"{module}.bias"), gain_offset(ctx.modules[module], w.numel())
+
+
+def _free_width(ctx: Ctx, module: str) -> int:
+    """The width of a parameter-free norm: from its `normalized_shape`, else the config."""
+    shape = getattr(ctx.modules[module], "normalized_shape", None)
+    return int(shape[-1]) if shape else int(ctx.model.config.hidden_size)
 
 
 def _consumer(P: dict, c: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -356,6 +388,42 @@ def norm_shift(ctx: Ctx, claim: Any) -> None:
     ctx.P[claim.residual_bias].sub_(t)
 
 
+def table_shift(ctx: Ctx, claim: Any) -> None:
+    r"""An embedding table read directly by a post-norm block: $(E + \mathbb 1 t^\top,\ b_j -
+    W_j t,\ b_\text{res} - t)$, one $t$ for every row (the norm shift with the table in place of
+    $β$)."""
+    E = ctx.P[claim.shift]
+    if not isinstance(ctx.modules[claim.shift.rpartition(".")[0]], nn.Embedding):
+        raise AssertionError(f"{claim.shift}: a table shift claimed on no embedding table")
+    t = ctx.randn(E.shape[-1], scale=SCALE)
+    E.add_(t[None, :])
+    for cons in claim.consumers:
+        M, b = _consumer(ctx.P, cons)
+        if b is None:
+            raise AssertionError(f"{claim.module}: consumer {cons.weight} has no bias to "
+                                 "absorb the shift")
+        b.sub_(M @ t)
+    ctx.P[claim.residual_bias].sub_(t)
+
+
+def shift_reader(ctx: Ctx, claim: Any) -> None:
+    r"""A LayerNorm read by linear maps without bias: $(W_j, β) \mapsto (W_j M, M^{-1} β)$,
+    $M = I + a v^\top$, $v = \mathbb 1 ⊘ γ$ (gain offset measured), $M^{-1}β$ by a linear
+    solve; $a$ random with $|v^\top a| \le 1/2$ away from the singular $1 + v^\top a = 0$."""
+    w, beta, o = _norm_params(ctx, claim.module)
+    v = 1.0 / (w + o)
+    a = ctx.randn(v.numel(), scale=2.0 / float(v.norm()))
+    a = a * min(1.0, 0.5 / abs(float(v @ a)))
+    M = torch.eye(v.numel(), dtype=torch.float64) + torch.outer(a, v)
+    for cons in claim.consumers:
+        W, b = _consumer(ctx.P, cons)
+        if b is not None:
+            raise AssertionError(f"{cons.weight} has a bias: the shift reader is claimed for "
+                                 "readers without one")
+        W.copy_(W @ M)
+    beta.copy_(torch.linalg.solve(M, beta))
+
+
 def reader_centring(ctx: Ctx, claim: Any) -> None:
     r"""$W \mapsto W + u (\mathbb 1 ⊘ γ)^\top$, $b \mapsto b - u\,\sum_i β_i/γ_i$."""
     w, beta, o = _norm_params(ctx, claim.module)
@@ -405,6 +473,44 @@ def embedding_shift(ctx: Ctx, claim: Any) -> None:
     ctx.P[claim.other].sub_(t)
     if getattr(claim, "constant", False):
         ctx.P[claim.word].add_(float(ctx.randn(1, scale=SCALE)))
+
+
+def pad_shift(ctx: Ctx, claim: Any) -> None:
+    r"""RoBERTa's padding pair: $(E_w[p] + s,\ E_o[p] - s)$ for the config's `pad_token_id`
+    $p$ (the position ids count from $p$, so position $p$ is read exactly with token $p$)."""
+    p = int(ctx.model.config.pad_token_id)
+    s = ctx.randn(ctx.P[claim.word].shape[1], scale=SCALE)
+    ctx.P[claim.word][p] += s
+    ctx.P[claim.other][p] -= s
+
+
+def token_shift(ctx: Ctx, claim: Any) -> None:
+    r"""A ViT's token shifts: $(c + t,\ P_0 - t)$ for the class token $c$, $(b + s,\ P_{1:} -
+    \mathbb 1 s^\top)$ for the patch convolution's bias $b$: the rows from the module's
+    structure (the class token sits at position 0, the patches after it)."""
+    m = ctx.modules[claim.module]
+    P = ctx.P[claim.positions]
+    t = ctx.randn(P.shape[-1], scale=SCALE)
+    cls = getattr(m, "cls_token", None)
+    if cls is not None and claim.source == f"{claim.module}.cls_token":
+        rows = slice(0, 1)
+    elif claim.source.endswith(".bias") and isinstance(
+            ctx.modules[claim.source.rpartition(".")[0]], nn.modules.conv._ConvNd):
+        rows = slice(0 if cls is None else 1, P.shape[-2])
+    else:
+        raise AssertionError(f"{claim.source}: no token shift layout")
+    ctx.P[claim.source].add_(t.reshape(ctx.P[claim.source].shape))
+    P[..., rows, :] -= t
+
+
+def score_shift(ctx: Ctx, claim: Any) -> None:
+    r"""A relative-attention-bias table $B$ (buckets, heads): $B + \mathbb 1 c^\top$, one
+    constant per head (column), which the softmax over the keys ignores."""
+    B = ctx.P[claim.param]
+    if not (isinstance(ctx.modules[claim.param.rpartition(".")[0]], nn.Embedding)
+            and B.shape[1] == ctx.model.config.num_heads):
+        raise AssertionError(f"{claim.param}: a score shift claimed on no (buckets, heads) table")
+    B.add_(ctx.randn(1, B.shape[1], scale=SCALE))
 
 
 # -- attention biases, q/k norms ------------------------------------------------------------------
@@ -463,6 +569,30 @@ def qk_norm(ctx: Ctx, claim: Any) -> None:
             beta.mul_(c)
 
 
+_NORM_NAME = re.compile(r"(layer|rms).?norm", re.IGNORECASE)
+
+
+def _shift_to_ones(ctx: Ctx, claim: Any, fold_gain: bool) -> None:
+    r"""By hand: the gain folded into the bias-free readers ($γ \to \mathbb 1$, $β \to β ⊘ γ$,
+    $W_j \to W_j \operatorname{diag}(γ)$) unless a norm-gain claim did, then $(W_j M, M^{-1}β)$
+    with $M = I + a\mathbb 1^\top$, $a = (β - \mathbb 1)/d$, so that $M^{-1}β = \mathbb 1$:
+    the stream's rotations fixing $\mathbb 1$ then keep $W_j β$."""
+    w, beta, o = _norm_params(ctx, claim.module)
+    if fold_gain:
+        g = w + o
+        for cons in claim.consumers:
+            _consumer(ctx.P, cons)[0].mul_(g[None, :])
+        beta.div_(g)
+        w.copy_(torch.ones_like(w) - o)
+    d = beta.numel()
+    a = (beta - 1.0) / d
+    M = torch.eye(d, dtype=torch.float64) + torch.outer(a, torch.ones(d, dtype=torch.float64))
+    for cons in claim.consumers:
+        W = _consumer(ctx.P, cons)[0]
+        W.copy_(W @ M)
+    beta.copy_(torch.linalg.solve(M, beta))
+
+
 # -- residual rotations ---------------------------------------------------------------------------
 def rotation(ctx: Ctx, claim: Any) -> None:
     r"""Fold by hand the gains (and folded shifts) of every norm read by the stream parts,
@@ -477,6 +607,15 @@ def rotation(ctx: Ctx, claim: Any) -> None:
         fold_norm_by_hand(ctx, c)
         d = ctx.P[f"{c.module}.weight"].numel()
         centred |= is_centring(ctx.modules[c.module], d)
+    folded = {c.module for c in norms}
+    for c in ctx.claims:  # a LayerNorm read by heads without bias: its shift brought to 1
+        if not is_block(c) and c.kind == "shift_reader" and {
+                q.weight for q in c.consumers} & readers:
+            _shift_to_ones(ctx, c, fold_gain=c.module not in folded)
+            centred |= is_centring(ctx.modules[c.module], ctx.P[c.shift].numel())
+    for name, m in ctx.modules.items():  # parameter-free norms (OLMo): centring, measured
+        if _NORM_NAME.search(type(m).__name__) and not any(True for _ in m.parameters()):
+            centred |= is_centring(m, _free_width(ctx, name))
     d = claim.parts[0].view(ctx.P).shape[-1]
     Q = ctx.haar(d)
     if centred:
@@ -504,6 +643,12 @@ CONSTRUCTIONS: dict[str, Construction] = {
     "block attention.vo [GL]": vo_block,
     "block mlp [GL]": mlp_block,
     "fold norm_gain [NormGainFold]": norm_gain,
+    "fold norm_gain [ReturnedNormGainFold]": norm_gain,
+    "fold table_shift [TableShiftFold]": table_shift,
+    "fold shift_reader [ShiftReaderFold]": shift_reader,
+    "fold pad_shift [PadShiftFold]": pad_shift,
+    "fold token_shift [SliceShiftFold]": token_shift,
+    "fold score_shift [ScoreShiftFold]": score_shift,
     "fold norm_shift [NormShiftFold]": norm_shift,
     "fold reader_centring [ReaderCentringFold]": reader_centring,
     "fold key_bias [KeyBiasFold]": key_bias,
