@@ -217,6 +217,18 @@ def _adaptive_entries(selected: Sequence[str], base: Mapping[str, torch.Tensor],
     return entries, pieces, masked
 
 
+def _share_base(entries: Sequence[AdaptiveEntry], base: dict[str, torch.Tensor],
+                raw: Mapping[str, torch.Tensor], w0: torch.Tensor) -> None:
+    """Make every canonicalised whole adaptive entry of `base` a view of `w0`, which holds
+    the same values: the canonical copy made by `canonicalize` is then freed (one copy of
+    each such parameter, not two; the model's own tensors are left as they are)."""
+    for e in entries:
+        t = base[e.name]
+        if (e.index is None and t.dtype == w0.dtype and t.is_contiguous()
+                and t.data_ptr() != raw[e.name].data_ptr()):
+            base[e.name] = w0[e.start : e.stop].view(t.shape)
+
+
 @dataclass
 class BlockGroup:
     """All blocks of one shape `(n, m, h)` (and subgroup), batched along dim 0."""
@@ -349,8 +361,7 @@ class ModelGeometry:
             self.selected, self.base, self.claimed, self.frozen, g.adaptive_eps, self.dtype)
         self.w0 = torch.cat(pieces) if pieces else torch.zeros(0, dtype=self.dtype,
                                                                device=self._device())
-        del pieces
-        self._share_base(raw)
+        _share_base(self.entries, self.base, raw, self.w0)
         self.adaptive = AdaptiveEuclidean(g.adaptive_eps, g.adaptive_retraction, ndim=1,
                                           validate=False)
         self.adaptive_space = self.adaptive.at(self.w0)
@@ -380,16 +391,6 @@ class ModelGeometry:
                     blocks, self.base, g, self.dtype, str(e))) from None
             groups.append(BlockGroup(n, m, h, blocks, man, space))
         return groups
-
-    def _share_base(self, raw: Mapping[str, torch.Tensor]) -> None:
-        """Make every canonicalised whole adaptive entry of `base` a view of `w0`, which holds
-        the same values: the canonical copy made by `canonicalize` is then freed (one copy of
-        each such parameter, not two; the model's own tensors are left as they are)."""
-        for e in self.entries:
-            t = self.base[e.name]
-            if (e.index is None and t.dtype == self.dtype and t.is_contiguous()
-                    and t.data_ptr() != raw[e.name].data_ptr()):
-                self.base[e.name] = self.w0[e.start : e.stop].view(t.shape)
 
     def _device(self) -> torch.device:
         """Device of the model's parameters (CPU for a model without any)."""
