@@ -12,10 +12,17 @@ calls; the marginal cost of an iteration, `(T(1 + iters) − T(1)) / iters` with
 minimum over repeats, in process CPU time (and wall time), is divided by the floor (the
 minimum of its timings) and by adaptive sharpness (the reference algorithm).
 
+The symmetries of each configuration are discovered once, before its timings.
+
 **Peak memory** (MiniLM only, skipped with `--no-memory`): the floor and every configuration
-run in a fresh subprocess; after the model and the batch are loaded, the peak-RSS counter is
-reset (`/proc/self/clear_refs`), the floor or 2 APGD iterations run, and the increase of the
-peak RSS (`VmHWM`) over the RSS before the call is the peak memory. Linux only.
+run in a fresh subprocess; after the model and the batch are loaded and the symmetries
+discovered, the allocator's free memory is returned to the system (`malloc_trim`), the
+peak-RSS counter is reset (`/proc/self/clear_refs`), the floor or 2 APGD iterations run, and
+the increase of the peak RSS (`VmHWM`) over the RSS before the call is the peak memory; it is
+reported as a multiple of the floor's and in bytes per parameter of the model. Linux only.
+
+`--quick` (CI): MiniLM at batch 8 × 16, the four headline configurations, memory of the
+floor and of the two complete geodesic measures.
 
     .venv/bin/python benchmarks/sharpness_cost.py [--iters 3] [--repeats 2] [--quick] [--json P]
 """
@@ -23,6 +30,7 @@ peak RSS (`VmHWM`) over the RSS before the call is the peak memory. Linux only.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -57,17 +65,40 @@ CONFIGS = {
     "adaptive_metric": M["adaptive-metric"].geometry,
     "geodesic_inv_second_order": M["geodesic-inv"].geometry,
     "geodesic_mix_second_order": M["geodesic-mix"].geometry,
+    "geodesic_inv_complete": M["geodesic-inv-complete"].geometry,
+    "geodesic_mix_complete": M["geodesic-mix-complete"].geometry,
+    "geodesic_inv_full": M["geodesic-inv-full"].geometry,
+    "geodesic_mix_full": M["geodesic-mix-full"].geometry,
     "geodesic_inv_exact": M["geodesic-inv"].geometry.replace(retraction="exact"),
     "geodesic_mix_exact": M["geodesic-mix"].geometry.replace(retraction="exact"),
     "geodesic_inv_exact_k4": M["geodesic-inv"].geometry.replace(retraction="exact",
                                                                 exact_steps=4),
 }
 RHO = 0.05
+#: `--quick`: the configurations timed (and, with the floor, measured for memory)
+QUICK = ("adaptive", "adaptive_metric", "geodesic_inv_complete", "geodesic_mix_complete")
+QUICK_MEMORY = ("geodesic_inv_complete", "geodesic_mix_complete")
+
+
+_DISCOVERED: dict[tuple[str, int], qm.Geometry] = {}
+
+
+def geometry_of(tag: str, model, loss, data) -> qm.Geometry:
+    """`CONFIGS[tag]` with the model's symmetries, discovered once per model and
+    configuration (discovery is not part of an iteration, and its noise would blur the
+    difference of two timed calls)."""
+    key = (tag, id(model))
+    if key not in _DISCOVERED:
+        g = CONFIGS[tag]
+        if g.metric is not None:
+            g = g.replace(symmetries=qm.symmetries_of(model, loss, data, geometry=g))
+        _DISCOVERED[key] = g
+    return _DISCOVERED[key]
 
 
 def call(tag: str, model, loss, data, n_iter: int):
     return qm.geodesic_sharpness(model, loss, data, rho=RHO, n_iter=n_iter,
-                                 geometry=CONFIGS[tag])
+                                 geometry=geometry_of(tag, model, loss, data))
 
 
 def floor_call(model, loss, data) -> None:
@@ -125,19 +156,35 @@ def _status(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def memory_worker(tag: str, quick: bool) -> None:
-    """Subprocess body: print the peak RSS increase of one call (or of the floor) as JSON."""
+def _trim() -> None:
+    """Return the allocator's free memory to the system (glibc), so that the RSS before a
+    call holds no free heap that the call could reuse unseen."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def memory_worker(tag: str, quick: bool, discovery: bool = False) -> None:
+    """Subprocess body: print the peak RSS increase of one call (or of the floor) as JSON.
+
+    The symmetries are discovered before the measurement (discovery runs once per model and
+    its probes run on a float64 copy of the model), unless `discovery`."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     model, loss, data, _ = minilm_setup(quick)
+    geometry = None if tag == "floor" else (
+        CONFIGS[tag] if discovery else geometry_of(tag, model, loss, data))
+    _trim()
     before = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
         f.write("5")
     if tag == "floor":
         floor_call(model, loss, data)
     else:
-        call(tag, model, loss, data, 2)
-    print(json.dumps({"peak_increase": _status("VmHWM") - before, "rss_before": before}))
+        qm.geodesic_sharpness(model, loss, data, rho=RHO, n_iter=2, geometry=geometry)
+    print(json.dumps({"peak_increase": _status("VmHWM") - before, "rss_before": before,
+                      "n_params": sum(p.numel() for p in model.parameters())}))
 
 
 def memory(tag: str, quick: bool) -> dict:
@@ -186,7 +233,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="batch 8, seq 16 for MiniLM")
+    ap.add_argument("--quick", action="store_true",
+                    help="batch 8, seq 16 for MiniLM, the headline configurations only")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     ap.add_argument("--no-vit", action="store_true", help="skip the tiny ViT")
     ap.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
@@ -201,7 +249,7 @@ def main() -> None:
     t0 = time.perf_counter()
     figures: dict[str, object] = {"iters": a.iters, "repeats": a.repeats, "rho": RHO,
                                   **environment()}
-    tags = a.configs.split(",") if a.configs else list(CONFIGS)
+    tags = a.configs.split(",") if a.configs else list(QUICK if a.quick else CONFIGS)
     if not a.no_vit:
         run("tiny timm ViT (batch 3)", "vit", small_timm_vit().float().eval(), vit_loss,
             [(x.float(), y) for x, y in image_data(n_batches=1)], a.iters, a.repeats, figures,
@@ -217,14 +265,20 @@ def main() -> None:
         return get(f"{tag}_cpu_s_per_iter")
 
     head = {
-        "geodesic_inv_over_floor": get("geodesic_inv_second_order_cpu_over_floor"),
-        "geodesic_mix_over_floor": get("geodesic_mix_second_order_cpu_over_floor"),
+        # the complete symmetry group (every recognised symmetry), the measures
+        # geodesic-inv-complete and geodesic-mix-complete
+        "geodesic_inv_over_floor": get("geodesic_inv_complete_cpu_over_floor"),
+        "geodesic_mix_over_floor": get("geodesic_mix_complete_cpu_over_floor"),
+        "geodesic_inv_full_over_floor": get("geodesic_inv_full_cpu_over_floor"),
+        "geodesic_mix_full_over_floor": get("geodesic_mix_full_cpu_over_floor"),
+        "geodesic_inv_paper_over_floor": get("geodesic_inv_second_order_cpu_over_floor"),
+        "geodesic_mix_paper_over_floor": get("geodesic_mix_second_order_cpu_over_floor"),
         "adaptive_over_floor": get("adaptive_cpu_over_floor"),
         "adaptive_metric_over_floor": get("adaptive_metric_cpu_over_floor"),
-        "geodesic_inv_over_adaptive": get("geodesic_inv_second_order_cpu_over_adaptive"),
-        "geodesic_mix_over_adaptive": get("geodesic_mix_second_order_cpu_over_adaptive"),
+        "geodesic_inv_over_adaptive": get("geodesic_inv_complete_cpu_over_adaptive"),
+        "geodesic_mix_over_adaptive": get("geodesic_mix_complete_cpu_over_adaptive"),
         "geodesic_inv_over_adaptive_metric":
-            per("geodesic_inv_second_order") / per("adaptive_metric"),
+            per("geodesic_inv_complete") / per("adaptive_metric"),
         "exact_over_second_order": per("geodesic_inv_exact") / per("geodesic_inv_second_order"),
         "exact_mix_over_second_order":
             per("geodesic_mix_exact") / per("geodesic_mix_second_order"),
@@ -232,34 +286,54 @@ def main() -> None:
             per("geodesic_inv_exact_k4") / per("geodesic_inv_second_order"),
     }
     if not a.no_memory:
-        print("\npeak memory of one call (MiniLM, fresh process each), MB above the loaded model")
-        mem = {}
-        for tag in ["floor", *tags]:
+        print("\npeak memory of one call (MiniLM, fresh process each, symmetries discovered "
+              "before), MB above the loaded model")
+        mem: dict[str, int] = {}
+        n_params = 0
+        mem_tags = [t for t in tags if not a.quick or t in QUICK_MEMORY]
+        for tag in ["floor", *mem_tags]:
             m = memory(tag, a.quick)
             mem[tag] = m["peak_increase"]
+            n_params = m["n_params"]
             f[f"minilm_{tag}_peak_mb"] = m["peak_increase"] / 2**20
             f[f"minilm_{tag}_rss_before_mb"] = m["rss_before"] / 2**20
+            f[f"minilm_{tag}_peak_bytes_per_param"] = m["peak_increase"] / n_params
             ratio = "" if tag == "floor" else (
                 f"(over floor {m['peak_increase'] / mem['floor']:5.2f}, over adaptive "
                 f"{m['peak_increase'] / mem.get('adaptive', math.nan):5.2f}; ")
             print(f"  {tag:28s} {m['peak_increase'] / 2**20:8.1f} MB "
+                  f"{m['peak_increase'] / n_params:5.1f} B/param "
                   f"{ratio or '('}RSS before {m['rss_before'] / 2**20:.0f} MB)", flush=True)
-        for tag in tags:
+        f["minilm_n_params"] = n_params
+        for tag in mem_tags:
             f[f"minilm_{tag}_peak_over_floor"] = mem[tag] / mem["floor"]
+            # what the call keeps over the floor's own peak, per parameter of the model
+            f[f"minilm_{tag}_state_bytes_per_param"] = (mem[tag] - mem["floor"]) / n_params
         nan = float("nan")
 
         def mratio(a_: str, b_: str) -> float:
             return mem[a_] / mem[b_] if a_ in mem and b_ in mem else nan
 
-        head["peak_memory_geodesic_inv_over_floor"] = mratio("geodesic_inv_second_order", "floor")
-        head["peak_memory_geodesic_mix_over_floor"] = mratio("geodesic_mix_second_order", "floor")
+        def bpp(a_: str) -> float:
+            return mem[a_] / n_params if a_ in mem else nan
+
+        head["peak_memory_geodesic_inv_over_floor"] = mratio("geodesic_inv_complete", "floor")
+        head["peak_memory_geodesic_mix_over_floor"] = mratio("geodesic_mix_complete", "floor")
+        head["peak_memory_geodesic_inv_full_over_floor"] = mratio("geodesic_inv_full", "floor")
+        head["peak_memory_geodesic_mix_full_over_floor"] = mratio("geodesic_mix_full", "floor")
+        head["peak_memory_geodesic_inv_paper_over_floor"] = mratio(
+            "geodesic_inv_second_order", "floor")
         head["peak_memory_adaptive_over_floor"] = mratio("adaptive", "floor")
-        head["peak_memory_geodesic_inv_over_adaptive"] = mratio("geodesic_inv_second_order",
+        head["peak_memory_geodesic_inv_over_adaptive"] = mratio("geodesic_inv_complete",
                                                                 "adaptive")
-        head["peak_memory_geodesic_mix_over_adaptive"] = mratio("geodesic_mix_second_order",
+        head["peak_memory_geodesic_mix_over_adaptive"] = mratio("geodesic_mix_complete",
                                                                 "adaptive")
         head["peak_memory_exact_over_adaptive"] = mratio("geodesic_inv_exact", "adaptive")
         head["peak_memory_exact_k4_over_adaptive"] = mratio("geodesic_inv_exact_k4", "adaptive")
+        head["bytes_per_param_floor"] = bpp("floor")
+        head["bytes_per_param_geodesic_inv"] = bpp("geodesic_inv_complete")
+        head["bytes_per_param_geodesic_mix"] = bpp("geodesic_mix_complete")
+        head["bytes_per_param_adaptive"] = bpp("adaptive")
     print()
     for k, v in head.items():
         print(f"{k:40s} {v:6.2f}")

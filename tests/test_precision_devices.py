@@ -8,6 +8,7 @@ hard-coded CPU device.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -131,3 +132,30 @@ def test_samples_follow_the_model_device_and_are_reproducible():
     b = geo.space.split(ball.sample(torch.Generator().manual_seed(1)))
     for s, t, x in zip(a, b, geo.base_points, strict=True):
         assert torch.equal(s, t) and s.device == x.device and s.dtype == x.dtype
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_model_keeps_a_float32_ascent_state(dtype):
+    """A bf16/fp16 model with `half="float32"`: the ascent state (the iterates APGD returns)
+    is float32, and the sharpness is that of the same weights in float32, to the rounding of
+    a forward pass in half precision."""
+    seen: list[torch.dtype] = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Spy(qm.APGD):
+        def solve(self, problem, feasible, base_loss, generator=None):
+            best, xi, n = super().solve(problem, feasible, base_loss, generator)
+            seen.append(xi.dtype)
+            return best, xi, n
+
+    half = _model(dtype)
+    full = _model(dtype).float()  # the same (rounded) weights, in float32
+    data = _data(dtype)
+    res = qm.geodesic_sharpness(half, ce_loss, data, rho=0.5, solver=Spy(n_iter=5),
+                                geometry=qm.Geometry(half="float32"))
+    ref = qm.geodesic_sharpness(full, ce_loss, [(x.float(), y) for x, y in data], rho=0.5,
+                                n_iter=5)
+    assert seen == [torch.float32] * len(data)
+    assert all(p.dtype == dtype for p in half.parameters())
+    assert ref.value > 0.1, ref.value  # a sharpness well above the rounding below
+    assert abs(res.value - ref.value) <= 0.1 * ref.value, (res.value, ref.value)

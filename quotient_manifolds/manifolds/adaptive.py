@@ -2,6 +2,8 @@ r"""The elementwise "adaptive" geometry used for every weight outside a GL block
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from ..errors import ShapeError, ZeroWeightError
@@ -10,6 +12,13 @@ from ..geometry.linalg import compute_dtype
 from .base import QuotientManifold, TangentSpace, into
 
 __all__ = ["AdaptiveEuclidean", "AdaptiveTangentSpace"]
+
+_CHUNK = 1 << 16
+"""Entries per chunk of the flat-vector operations (256 KiB of float32: stays in cache)."""
+
+
+def _chunks(n: int) -> range:
+    return range(0, n, _CHUNK)
 
 
 class AdaptiveTangentSpace(TangentSpace):
@@ -30,13 +39,66 @@ class AdaptiveTangentSpace(TangentSpace):
         self.eps, self.ndim = manifold.eps, manifold.ndim
         self.dtype = compute_dtype(x0.dtype)
         self.w = x0.to(self.dtype)
-        self.c2 = am.scale2(self.w, self.eps)
-        self.live = self.c2 > 0
-        self.frozen = not bool(self.live.all()) if self.c2.numel() else False
-        self.inv_c2 = self.c2.reciprocal()
+
+    # The metric weights are made on first use, not here: a space whose operations never run
+    # (the full packing of a call whose iterations run on active rows) holds only `w`.
+    @cached_property
+    def c2(self) -> torch.Tensor:
+        r"""$c^2 = w^2 + \varepsilon$, the inverse metric coefficient of every weight."""
+        return am.scale2(self.w, self.eps)
+
+    @cached_property
+    def frozen(self) -> bool:
+        """Whether some entry has $c^2 = 0$ (frozen)."""
+        if "c2" in self.__dict__ or not self._flat:
+            return not bool((self.c2 > 0).all()) if self.c2.numel() else False
+        buf = self._chunk_buffers()[0]
+        return any(not bool((self._c2_chunk(s, buf) > 0).all()) for s in _chunks(self.w.numel()))
+
+    @property
+    def _flat(self) -> bool:
+        """A 1-D point: the hot-path operations run chunk by chunk, from `w`."""
+        return self.ndim == 1 and self.w.dim() == 1
+
+    def _chunk_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n = min(_CHUNK, self.w.numel())
+        return (torch.empty(n, dtype=self.dtype, device=self.w.device),
+                torch.empty(n, dtype=self.dtype, device=self.w.device))
+
+    def _c2_chunk(self, s: int, buf: torch.Tensor) -> torch.Tensor:
+        r"""$c^2$ of the entries `s : s + _CHUNK`, from `c2` when it is stored, else computed
+        into `buf` (the same values: $w \cdot w + \varepsilon$)."""
+        e = min(s + _CHUNK, self.w.numel())
+        if "c2" in self.__dict__:
+            return self.c2[s:e]
+        out = torch.mul(self.w[s:e], self.w[s:e], out=buf[: e - s])
+        return out.add_(self.eps) if self.eps else out
+
+    def _inv_c2_chunk(self, s: int, buf: torch.Tensor) -> torch.Tensor:
+        """$1/c^2$ of the entries `s : s + _CHUNK` (0 where frozen), as `inv_c2`."""
+        if "inv_c2" in self.__dict__:
+            return self.inv_c2[s : s + _CHUNK]
+        c2 = self._c2_chunk(s, buf)
+        out = torch.reciprocal(c2, out=buf[: c2.numel()])
+        # c² = 0 (frozen) gives +inf, a NaN weight NaN: both are 0 in `inv_c2`
+        return out.nan_to_num_(nan=0.0, posinf=0.0) if self.frozen else out
+
+    @property
+    def live(self) -> torch.Tensor:
+        """`c² > 0`, per entry (made when asked for; stored only for a frozen space)."""
+        return self._live if self.frozen else self.c2 > 0
+
+    @cached_property
+    def _live(self) -> torch.Tensor:
+        return self.c2 > 0
+
+    @cached_property
+    def inv_c2(self) -> torch.Tensor:
+        r"""$1 / c^2$, 0 on the frozen entries."""
+        inv = self.c2.reciprocal()
         if self.frozen:
-            self.inv_c2.masked_fill_(~self.live, 0.0)
-        self._buf: torch.Tensor | None = None
+            inv.masked_fill_(~self._live, 0.0)
+        return inv
 
     def _reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.ndim > 0:
@@ -52,10 +114,16 @@ class AdaptiveTangentSpace(TangentSpace):
         if (self.ndim == 1 and self.x0.dim() == 1 and u.shape == v.shape == self.x0.shape
                 and u.dtype == v.dtype == self.dtype
                 and not (torch.is_grad_enabled() and (u.requires_grad or v.requires_grad))):
-            # one vector: Σ (u ⊙ c⁻²) v through a reused buffer (no fresh allocation)
-            if self._buf is None:
-                self._buf = torch.empty_like(self.inv_c2)
-            return torch.dot(torch.mul(u, self.inv_c2, out=self._buf), v)
+            # one vector: Σ (u ⊙ c⁻²) v chunk by chunk, c⁻² made from w per chunk (no
+            # vector-sized temporary or stored weight: a fresh one costs page faults, a kept
+            # one the memory of a vector)
+            b1, b2 = self._chunk_buffers()
+            total = u.new_zeros(())
+            for s in _chunks(u.numel()):
+                inv = self._inv_c2_chunk(s, b1)
+                e = s + inv.numel()
+                total += torch.dot(torch.mul(u[s:e], inv, out=b2[: e - s]), v[s:e])
+            return total
         u_, v_ = u.to(self.dtype), v.to(self.dtype)
         return self._reduce(u_ * v_ * self.inv_c2).to(u.dtype)
 
@@ -70,6 +138,13 @@ class AdaptiveTangentSpace(TangentSpace):
     def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         r"""$(w^2 + \varepsilon) \odot \nabla L$ (into `out`, which may be `g`, if given)."""
         if out is not None and g.dtype == self.dtype:
+            if self._flat and g.shape == out.shape == self.w.shape:
+                buf = self._chunk_buffers()[0]
+                for s in _chunks(g.numel()):
+                    c2 = self._c2_chunk(s, buf)
+                    e = s + c2.numel()
+                    torch.mul(g[s:e], c2, out=out[s:e])
+                return out
             return torch.mul(g, self.c2, out=out)
         return into((self.c2 * g.to(self.dtype)).to(g.dtype), out)
 

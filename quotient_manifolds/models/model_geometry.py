@@ -235,6 +235,29 @@ def _flat_point(geo: ModelGeometry, pieces: Sequence[torch.Tensor]) -> torch.Ten
     return torch.cat([p.to(geo.dtype) for p in pieces])
 
 
+def _by_shape(blocks: Sequence[BlockSpec]) -> dict[tuple, list[BlockSpec]]:
+    """The blocks by `(n, m, h, subgroup)`: one batched manifold each."""
+    out: dict[tuple, list[BlockSpec]] = {}
+    for b in blocks:
+        out.setdefault((b.n, b.m, b.h, getattr(b, "group", None)), []).append(b)
+    return out
+
+
+def _share_base(entries: Sequence[AdaptiveEntry], base: dict[str, torch.Tensor],
+                raw: Mapping[str, torch.Tensor], w0: torch.Tensor) -> None:
+    """Make every canonicalised whole adaptive entry of `base` a view of `w0`, which holds
+    the same values: the canonical copy made by `canonicalize` is then freed (one copy of
+    each such parameter, not two; the model's own tensors are left as they are). Not where
+    `w0` holds only a slice of the entries (a model-parallel rank's)."""
+    if w0.numel() != sum(e.stop - e.start for e in entries):
+        return
+    for e in entries:
+        t = base[e.name]
+        if (e.index is None and t.dtype == w0.dtype and t.is_contiguous()
+                and t.data_ptr() != raw[e.name].data_ptr()):
+            base[e.name] = w0[e.start : e.stop].view(t.shape)
+
+
 @dataclass
 class BlockGroup:
     """All blocks of one shape `(n, m, h)` (and subgroup), batched along dim 0."""
@@ -366,6 +389,7 @@ class ModelGeometry:
         self.entries, pieces, self.n_masked_zeros = _adaptive_entries(
             self.selected, self.base, self.claimed, self.frozen, g.adaptive_eps, self.dtype)
         self.w0 = self._flat_point(pieces)
+        _share_base(self.entries, self.base, raw, self.w0)
         self.adaptive, self.adaptive_space, self.translations = self._adaptive_space(
             g, self.w0, translations, self.base, self.entries, self.dtype)
         self._point_buffer: torch.Tensor | None = None
@@ -378,11 +402,8 @@ class ModelGeometry:
     # -- construction -----------------------------------------------------
     def _build_groups(self) -> list[BlockGroup]:
         g = self.geometry
-        by_shape: dict[tuple, list[BlockSpec]] = {}
-        for b in self.blocks:
-            by_shape.setdefault((b.n, b.m, b.h, getattr(b, "group", None)), []).append(b)
         groups = []
-        for (n, m, h, sub), blocks in by_shape.items():
+        for (n, m, h, sub), blocks in _by_shape(self.blocks).items():
             assert g.metric is not None  # metric=None discovers no blocks
             x0 = self._group_point(blocks)
             man = GLQuotient(n, m, g.metric, g.eps, g.retraction, validate=False,

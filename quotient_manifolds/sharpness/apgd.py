@@ -177,6 +177,7 @@ def apgd(
     best = torch.as_tensor(base_loss, dtype=torch.float64, device=dev).expand(problems).clone()
     eta = torch.full(problems, 2.0 * feasible.rho * step_mult, dtype=torch.float64, device=dev)
     res = APGDResult(best, zero)
+    del zero  # held by the iterates only: a new packing (layout) frees it
     n_improve = torch.zeros(problems, dtype=torch.float64, device=dev)
     k_last, eta_last, best_last = 0, eta.clone(), best.clone()
     version = None if layout is None else layout.version
