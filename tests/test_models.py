@@ -186,8 +186,13 @@ def test_declared_two_layer_block_and_diagonal():
     net = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 4))
     spec = qm.declare_block(G="1.weight", H=[("0.weight", "rows"), ("0.bias", "bias")])
     with pytest.warns(qm.NoBlocksWarning):
-        assert qm.discover_blocks(net) == []
-    (b,) = qm.discover_blocks(net, declared=[spec], warn=False)
+        assert qm.discover_blocks(net, symmetry="full") == []
+    # the complete group quotients the units between the two maps one by one (GL(1) each); the
+    # declared GL(3) block over the same weights takes precedence
+    units = qm.discover_blocks(net, example_inputs=(torch.randn(2, 5),), warn=False)
+    assert units and all(u.h == 1 for u in units)
+    (b,) = qm.discover_blocks(net, declared=[spec], example_inputs=(torch.randn(2, 5),),
+                              warn=False)
     assert (b.n, b.m, b.h, b.kind) == (4, 6, 3, "custom")
     x = gather_block(b, dict(net.named_parameters()))[0]
     torch.testing.assert_close(x[:4], net[1].weight)
@@ -254,9 +259,10 @@ def test_llama_gqa_and_rotary_paper_mode_falls_back_per_module():
 
 
 def test_model_without_blocks_warns_and_records():
+    """Under the full group (the complete one quotients its ReLU units)."""
     net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     with pytest.warns(qm.NoBlocksWarning, match="declare_block"):
-        geo = qm.ModelGeometry(net)
+        geo = qm.ModelGeometry(net, qm.Geometry(symmetry="full"))
     assert geo.groups == [] and geo.fallbacks[-1].kind == "all"
     assert geo.w0.numel() == sum(p.numel() for p in net.parameters())
 

@@ -79,7 +79,7 @@ class ShiftFold(Fold):
     sign: float = -1.0
 
     kind = "shift"
-    order = 9
+    order = 2  # before the softmax shift (2.8), which then centres the bias it folded into
 
     @property
     def params(self):

@@ -38,7 +38,7 @@ from ..errors import (
     ProbeWarning,
     SymmetryFallbackWarning,
 )
-from .blocks import BlockSpec, FactorPart
+from .blocks import BlockSpec, FactorPart, claimed_mask
 from .families import FAMILIES
 from .inputs import normalize_inputs
 from .prober import Joint
@@ -76,6 +76,19 @@ def _families(families: Sequence[SymmetryFamily] | None, kind: str, symmetry: st
               ) -> list[SymmetryFamily]:
     return [f for f in (FAMILIES if families is None else families)
             if f.kind == kind and symmetry in f.symmetries]
+
+
+def _outside(found: list[BlockSpec], declared: list[BlockSpec],
+             params: Mapping[str, torch.Tensor]) -> list[BlockSpec]:
+    """The found blocks that share no entry with a declared block: a declaration takes
+    precedence over discovery on its weights (e.g. a GL(h) block declared over a pair of
+    linear maps whose units the complete group would quotient one by one)."""
+    taken: dict[str, torch.Tensor] = {}
+    for b in declared:
+        for n, m in claimed_mask(b, params).items():
+            taken[n] = m if n not in taken else taken[n] | m
+    return [b for b in found if not any(
+        n in taken and bool((taken[n] & m).any()) for n, m in claimed_mask(b, params).items())]
 
 
 def _probe_blocks(scene: Scene, found: list[BlockSpec], declared: list[BlockSpec],
@@ -299,7 +312,8 @@ def discover(
         ([`SYMMETRIES`][quotient_manifolds.models.records.SYMMETRIES]).
     declared : iterable of BlockSpec
         User blocks from [declare_block][quotient_manifolds.models.blocks.declare_block];
-        validated, and probed when an example input is available.
+        validated, and probed when an example input is available. A declared block takes
+        precedence over the discovered blocks that share its entries.
     warn : bool
         Emit a `SymmetryFallbackWarning` per module that falls back, a `ProbeWarning` for
         claims the probe could not reach, and a `NoBlocksWarning` when nothing is found.
@@ -346,7 +360,7 @@ def discover(
     blocks = list(found)
     if probe and (found or decl):
         blocks, records = _probe_blocks(scene, found, decl, warn)
-    blocks += decl
+    blocks = _outside(blocks, decl, params) + decl
     discovered = tuple(blocks)
     fallbacks = list(scene.fallbacks)
     folds: list[Fold] = []
