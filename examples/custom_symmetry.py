@@ -66,7 +66,7 @@ class ShiftFold(Fold):
     sign: float = -1.0  # +1 is no symmetry: the wrong claim of the demonstration
 
     kind = "shift"
-    order = 9  # after the built-in folds
+    order = 2  # before the softmax shift (2.8), which then centres the bias it folds into
 
     @property
     def params(self):

@@ -125,6 +125,14 @@ class Consumer:
         b0, b1 = self._bias_slice(stop)
         return M, params[self.bias].reshape(-1)[b0:b1]
 
+    def write_bias(self, params: dict, b: torch.Tensor) -> None:
+        """Out-of-place write of the bias slice `b` into `params` (the weight untouched)."""
+        if self.bias is None:
+            return
+        t = params[self.bias]
+        b0, b1 = self._bias_slice(self._stop(params[self.weight]))
+        params[self.bias] = t.reshape(-1).slice_scatter(b.to(t.dtype), 0, b0, b1).view(t.shape)
+
     def write(self, params: dict, M: torch.Tensor, b: torch.Tensor | None) -> None:
         """Out-of-place write of `(M, b)` into `params`."""
         W = params[self.weight]

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.func import jvp, vjp, vmap
+from torch.func import jvp, vjp
 
 from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
 from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace, LinearConstraint
@@ -181,16 +181,32 @@ class _Tangent:
                                      ).index_copy(0, e.index, piece).view(ref)
         return self._adj(cot)[0].to(y.dtype)
 
-    def columns(self, size: int) -> torch.Tensor:
-        """The dense `(k, size)` matrix of $V_f^\top$ (for a small `k` only)."""
+    def columns(self, offsets: Mapping[tuple[int, int], int], n: int) -> torch.Tensor:
+        """The dense `(k, n)` matrix of $V_f^\top$ on `n` entries of the flat vector: the span
+        `(start, stop)` of each slot at column `offsets[(start, stop)]` (for a small `k` and
+        small slots only: never the whole flat vector)."""
         eye = torch.eye(self.k, dtype=self._theta0.dtype, device=self._theta0.device)
 
-        tangs = vmap(self._tangent)(eye)
-        C = torch.zeros(self.k, size, dtype=eye.dtype, device=eye.device)
-        for n, e in self.slots.items():
-            t = tangs[n].reshape(self.k, -1)
-            C[:, e.start:e.stop] = t if e.index is None else t[:, e.index]
+        rows = [self._tangent(e) for e in eye]  # one tangent at a time: bounded memory
+        tangs = {name: torch.stack([r[name] for r in rows]) for name in self.slots}
+        C = torch.zeros(self.k, n, dtype=eye.dtype, device=eye.device)
+        for name, e in self.slots.items():
+            t = tangs[name].reshape(self.k, -1)
+            o = offsets[(e.start, e.stop)]
+            C[:, o:o + e.stop - e.start] = t if e.index is None else t[:, e.index]
         return C
+
+
+def _spans(tangents: Sequence[_Tangent], device: torch.device
+           ) -> tuple[dict[tuple[int, int], int], torch.Tensor]:
+    """The slots' spans of the flat vector: each one's offset among them, and their entries."""
+    spans = sorted({(e.start, e.stop) for t in tangents for e in t.slots.values()})
+    offsets, at = {}, 0
+    for a, b in spans:
+        offsets[(a, b)], at = at, at + b - a
+    index = (torch.cat([torch.arange(a, b, device=device) for a, b in spans]) if spans
+             else torch.zeros(0, dtype=torch.long, device=device))
+    return offsets, index
 
 
 def _device(params: Params) -> torch.device:
@@ -214,8 +230,8 @@ class _Component:
             self.kind = "diag"
         elif self.K * n <= dense_limit:
             self.kind = "dense"
-            self.index = torch.cat([torch.arange(a, b, device=dev) for a, b in spans])
-            self.C = torch.cat([t.columns(size)[:, self.index] for t in tangents])
+            offsets, self.index = _spans(tangents, dev)
+            self.C = torch.cat([t.columns(offsets, n) for t in tangents])
         else:
             self.kind = "cg"
         self._pre: tuple[torch.Tensor, Any] | None = None
@@ -272,8 +288,9 @@ def _fold_preconditioner(t: _Tangent, m: torch.Tensor, live: torch.Tensor, size:
         if bool((~live).any()):
             ok = ok & (t.adjoint((~live).to(dtype) * v1 * v1) == 0)
         return "diag", torch.where(ok, 1.0 / torch.where(ok, g, 1.0), 0.0)
-    C = t.columns(size)
-    return "dense", _restricted_pinv((C * m) @ C.T, C[:, ~live])
+    offsets, index = _spans([t], m.device)
+    C = t.columns(offsets, index.numel())
+    return "dense", _restricted_pinv((C * m[index]) @ C.T, C[:, ~live[index]])
 
 
 def _restricted_pinv(G: torch.Tensor, CF: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ class NormShiftFold(Fold):
         for c in self.consumers:
             M, b = c.read(out)
             if b is not None:
-                c.write(out, M, b - M @ t.to(M.dtype))
+                c.write_bias(out, b - M @ t.to(M.dtype))
         rb = out[self.residual_bias]
         out[self.residual_bias] = rb - t.to(rb.dtype)
         return out
