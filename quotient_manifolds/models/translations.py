@@ -16,17 +16,24 @@ adaptive metric $M = \operatorname{diag}(1/c^2)$, with $V = [V_1, \dots, V_k]$ t
 tangents of all translation folds at the canonical point, restricted to the adaptive entries
 (the entries of GL blocks and frozen entries are not part of the flat vector).
 
-**How $V$ is evaluated.** $V_f t$ is the derivative of the fold's `act_at` at the canonical
-point (forward mode, one pass over the fold's parameters), $V_f^\top y$ its adjoint (one
-reverse pass); both are batched tensor operations (a value broadcast along an axis, a weighted
-sum along it). The $V_f$ of a writer, reader or embedding-shift fold have columns with disjoint
-supports (one line, one row, one embedding coordinate each), so $V_f^\top M V_f$ is diagonal,
-$\operatorname{diag}(V_f^\top (M \odot V_f \mathbb 1))$; a post-norm shift's columns overlap in
-its readers' biases ($-W_j t$), and its $d \times d$ Gram matrix is formed explicitly. The
+**How $V$ is evaluated.** Each fold acts on a few parameters; the folds that share entries form
+a component, projected on the vector of its own entries (a view of the flat vector where they
+are adjacent), never on the whole flat vector. $V_f t$ is a value broadcast along an axis for a
+plain centring and for the shift between two embedding tables (added in place, nothing
+materialised); for a small fold (at most `dense_limit` coordinates × entries, e.g. a post-norm
+shift on its biases) it is the product with the dense matrix of its columns, formed once by
+forward mode batched over the coordinates; otherwise it is the derivative of the fold's
+`act_at` at the canonical point (forward mode), $V_f^\top y$ its adjoint (reverse mode). The
+$V_f$ of a writer, reader or embedding-shift fold have columns with disjoint supports (one
+line, one row, one embedding coordinate each), so $V_f^\top M V_f$ is diagonal,
+$\operatorname{diag}(V_f^\top (M \odot V_f \mathbb 1))$; a post-norm shift's columns overlap
+in its readers' biases ($-W_j t$), and its $d \times d$ Gram matrix is formed explicitly. The
 joint system $V^\top M V\, t = V^\top M \xi$ (the folds overlap: a writer's bias is also the
-residual bias of a post-norm shift, the word table is centred and shifted) is solved by
-conjugate gradients preconditioned by the folds' own Gram matrices: where the folds do not
-overlap this is exact in one step.
+residual bias of a post-norm shift, the word table is centred and shifted) is solved directly
+where $K \times$ entries is at most `dense_limit`, and otherwise by conjugate gradients
+preconditioned by the folds' own Gram matrices: where the folds do not overlap this is exact in
+one step, and a vector that is horizontal already (a Riemannian gradient of an invariant loss)
+costs one product with $V^\top$.
 
 **Entries of infinite weight.** With `adaptive_eps = 0` a zero weight has $c^2 = 0$: the metric
 is infinite there and the entry never moves. A vertical direction $V t$ that moves such an
@@ -43,7 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.func import jvp, vjp
+from torch.func import jacfwd, jvp, vjp
 
 from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
 from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace, LinearConstraint
@@ -113,17 +120,25 @@ def _unfreeze(frozen: Mapping[str, torch.Tensor], folds: Sequence[Fold],
 
 
 class _Tangent:
-    r"""$V_f$ of one fold on the flat adaptive vector (its columns: the fold's `act_at`
-    coordinates)."""
+    r"""$V_f$ of one fold on its component's vector (the component's entries, concatenated;
+    its columns: the fold's `act_at` coordinates).
+
+    Three forms: a value broadcast along an axis (a plain centring), the dense `(k, n)` matrix
+    of its columns on its own entries (when `k × entries` is at most `dense_limit`: made once,
+    by forward mode batched over the coordinates), or forward and reverse mode through the
+    fold's `act_at` per product (a large fold, e.g. the shift of a word table)."""
 
     def __init__(self, fold: Fold, params: Params, slots: Mapping[str, Any],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, dense_limit: float) -> None:
         self.fold = fold
         self.k = int(fold.lie_dim(params))
         names = [n for n in fold.params if n in slots]
         self._theta0 = theta0 = torch.zeros(self.k, dtype=dtype, device=_device(params))
         self.disjoint = isinstance(fold, _DISJOINT)
         self.names: list[str] = []
+        self.C: torch.Tensor | None = None
+        self._lines: dict[str, list[int]] = {}  # a closed form: θ broadcast from these shapes
+        self._signs: dict[str, float] = {}
         if not names or self.k == 0:  # its orbit lies in the GL blocks and frozen entries
             return
 
@@ -138,7 +153,20 @@ class _Tangent:
             line[axis] = 1
             self._tangent = lambda th: {name: th.view(line).expand(w.shape)}
             self._adj = lambda cot: (cot[name].sum(axis).reshape(-1),)
-        else:  # forward and reverse mode through the fold's own action
+            self._lines = {name: line}
+        elif type(fold).act_at is EmbeddingShiftFold.act_at and isinstance(fold,
+                                                                             EmbeddingShiftFold):
+            closed = True  # a row broadcast along two tables, with opposite signs
+            word, other = fold.word, fold.other
+            ws, os_ = params[word].shape, params[other].shape
+            self._tangent = lambda th: {word: th.view(os_[1:]).expand(ws),
+                                        other: -th.view(os_[1:]).expand(os_)}
+            row = [1, *os_[1:]]
+            self._lines = {word: row, other: row}
+            self._signs = {other: -1.0}
+            self._adj = lambda cot: (((cot[word].sum(0) if word in cot else 0)
+                                      - (cot[other].sum(0) if other in cot else 0)).reshape(-1),)
+        else:
             self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
             self._adj = lambda cot: self._vjp(cot)
         probe = torch.randn(self.k, dtype=dtype, generator=torch.Generator().manual_seed(0))
@@ -149,31 +177,72 @@ class _Tangent:
         if not self.names:
             return
         self._fn = moved(self.names)
-        if not closed:
-            self._vjp = vjp(self._fn, theta0)[1]
         self._shapes = {n: params[n].shape for n in self.names}
+        self.local = {}  # where each slot sits in the tangent's own vector
+        at = 0
+        for n, e in self.slots.items():
+            self.local[n], at = (at, at + e.stop - e.start), at + e.stop - e.start
+        self.n = at
+        whole = sum(params[n].numel() for n in self.names)
+        if not closed and self.k * whole <= dense_limit:
+            self.C = self._columns()
+        elif not closed:
+            self._vjp = vjp(self._fn, theta0)[1]
 
     @staticmethod
     def _gather(t: torch.Tensor, e: Any) -> torch.Tensor:
         flat = t.reshape(-1)
         return flat if e.index is None else flat[e.index]
 
-    def apply(self, theta: torch.Tensor, out: torch.Tensor) -> None:
-        """`out += V_f theta` (flat adaptive vector)."""
-        if not self.names:
-            return
-        tang = self._tangent(theta.to(self._theta0.dtype))
+    def _columns(self) -> torch.Tensor:
+        """The dense `(k, n)` matrix of $V_f^\top$ on the tangent's own entries (forward mode,
+        batched over the coordinates)."""
+        jac = jacfwd(self._fn)(self._theta0)
+        C = torch.empty(self.k, self.n, dtype=self._theta0.dtype, device=self._theta0.device)
         for n, e in self.slots.items():
-            out[e.start:e.stop] += self._gather(tang[n], e).to(out.dtype)
+            a, b = self.local[n]
+            J = jac[n].reshape(-1, self.k)
+            C[:, a:b] = (J if e.index is None else J[e.index]).T
+        return C
+
+    def bind(self, offsets: Mapping[tuple[int, int], int]) -> None:
+        """Place the slots in the component's vector (`offsets[(start, stop)]`: the position of
+        the flat span `[start, stop)` there)."""
+        self.at = {n: offsets[(e.start, e.stop)] for n, e in self.slots.items()}
+
+    def own(self, y: torch.Tensor) -> torch.Tensor:
+        """The tangent's own entries of the component's vector `y`."""
+        return torch.cat([y[self.at[n]:self.at[n] + b - a] for n, (a, b) in self.local.items()])
+
+    def apply(self, theta: torch.Tensor, out: torch.Tensor) -> None:
+        """`out += V_f theta` (`out`: the component's vector)."""
+        theta = theta.to(self._theta0.dtype)
+        if self.C is not None:
+            v = self.C.T @ theta
+            for n, (a, b) in self.local.items():
+                o = self.at[n]
+                out[o:o + b - a] += v[a:b].to(out.dtype)
+            return
+        if self._lines and all(e.index is None for e in self.slots.values()):
+            for n, e in self.slots.items():  # broadcast in place: no tangent materialised
+                o = self.at[n]
+                out[o:o + e.stop - e.start].view(self._shapes[n]).add_(
+                    theta.view(self._lines[n]).to(out.dtype), alpha=self._signs.get(n, 1.0))
+            return
+        tang = self._tangent(theta)
+        for n, e in self.slots.items():
+            o = self.at[n]
+            out[o:o + e.stop - e.start] += self._gather(tang[n], e).to(out.dtype)
 
     def adjoint(self, y: torch.Tensor) -> torch.Tensor:
-        r"""$V_f^\top y$ for a flat adaptive vector `y`."""
-        if not self.names:
-            return torch.zeros(self.k, dtype=y.dtype, device=y.device)
+        r"""$V_f^\top y$ for the component's vector `y`."""
+        dt = self._theta0.dtype
+        if self.C is not None:
+            return (self.C @ self.own(y).to(dt)).to(y.dtype)
         cot = {}
         for n, e in self.slots.items():
             ref = self._shapes[n]
-            piece = y[e.start:e.stop].to(self._theta0.dtype)
+            piece = y[self.at[n]:self.at[n] + e.stop - e.start].to(dt)
             if e.index is None:
                 cot[n] = piece.view(ref)
             else:
@@ -181,32 +250,24 @@ class _Tangent:
                                      ).index_copy(0, e.index, piece).view(ref)
         return self._adj(cot)[0].to(y.dtype)
 
-    def columns(self, offsets: Mapping[tuple[int, int], int], n: int) -> torch.Tensor:
-        """The dense `(k, n)` matrix of $V_f^\top$ on `n` entries of the flat vector: the span
-        `(start, stop)` of each slot at column `offsets[(start, stop)]` (for a small `k` and
-        small slots only: never the whole flat vector)."""
-        eye = torch.eye(self.k, dtype=self._theta0.dtype, device=self._theta0.device)
-
-        rows = [self._tangent(e) for e in eye]  # one tangent at a time: bounded memory
-        tangs = {name: torch.stack([r[name] for r in rows]) for name in self.slots}
-        C = torch.zeros(self.k, n, dtype=eye.dtype, device=eye.device)
-        for name, e in self.slots.items():
-            t = tangs[name].reshape(self.k, -1)
-            o = offsets[(e.start, e.stop)]
-            C[:, o:o + e.stop - e.start] = t if e.index is None else t[:, e.index]
+    def columns(self, n: int) -> torch.Tensor:
+        """The dense `(k, n)` matrix of $V_f^\top$ on the component's vector of length `n`."""
+        own = self.C if self.C is not None else self._columns()
+        C = torch.zeros(self.k, n, dtype=own.dtype, device=own.device)
+        for name, (a, b) in self.local.items():
+            o = self.at[name]
+            C[:, o:o + b - a] = own[:, a:b]
         return C
 
 
-def _spans(tangents: Sequence[_Tangent], device: torch.device
-           ) -> tuple[dict[tuple[int, int], int], torch.Tensor]:
-    """The slots' spans of the flat vector: each one's offset among them, and their entries."""
+def _spans(tangents: Sequence[_Tangent]
+           ) -> tuple[list[tuple[int, int]], dict[tuple[int, int], int]]:
+    """The slots' spans of the flat vector, sorted, and each one's offset among them."""
     spans = sorted({(e.start, e.stop) for t in tangents for e in t.slots.values()})
     offsets, at = {}, 0
     for a, b in spans:
         offsets[(a, b)], at = at, at + b - a
-    index = (torch.cat([torch.arange(a, b, device=device) for a, b in spans]) if spans
-             else torch.zeros(0, dtype=torch.long, device=device))
-    return offsets, index
+    return spans, offsets
 
 
 def _device(params: Params) -> torch.device:
@@ -214,29 +275,51 @@ def _device(params: Params) -> torch.device:
 
 
 class _Component:
-    r"""Translation folds that share adaptive entries, solved together: `"diag"` (one fold with
-    disjoint columns), `"dense"` (its Gram matrix formed explicitly on its entries) or `"cg"`
-    (conjugate gradients, for large coupled folds)."""
+    r"""Translation folds that share adaptive entries, solved together on the vector of their
+    entries: `"diag"` (one fold with disjoint columns), `"dense"` (its Gram matrix formed
+    explicitly) or `"cg"` (conjugate gradients, for large coupled folds)."""
 
-    def __init__(self, tangents: list[_Tangent], size: int, dtype: torch.dtype,
-                 dense_limit: float) -> None:
+    def __init__(self, tangents: list[_Tangent], dtype: torch.dtype, dense_limit: float) -> None:
         self.tangents = tangents
-        self.size, self.dtype = size, dtype
-        spans = sorted({(e.start, e.stop) for t in tangents for e in t.slots.values()})
+        self.dtype = dtype
+        self.spans, offsets = _spans(tangents)
+        for t in tangents:
+            t.bind(offsets)
+        self.n = sum(b - a for a, b in self.spans)
+        self.adjacent = all(b == a for (_, b), (a, _) in zip(self.spans, self.spans[1:]))
         self.K = sum(t.k for t in tangents)
-        n = sum(b - a for a, b in spans)
-        dev = tangents[0]._theta0.device
         if len(tangents) == 1 and tangents[0].disjoint:
             self.kind = "diag"
-        elif self.K * n <= dense_limit:
+        elif self.K * self.n <= dense_limit:
             self.kind = "dense"
-            offsets, self.index = _spans(tangents, dev)
-            self.C = torch.cat([t.columns(offsets, n) for t in tangents])
+            self.C = torch.cat([t.columns(self.n) for t in tangents])
         else:
             self.kind = "cg"
-        self._pre: tuple[torch.Tensor, Any] | None = None
+        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]] = {}
+        self._buffer: torch.Tensor | None = None
 
-    def V(self, thetas: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The component's vector of the flat vector `x` (a view where its spans are adjacent)."""
+        if self.adjacent:
+            return x[self.spans[0][0]:self.spans[-1][1]]
+        return torch.cat([x[a:b] for a, b in self.spans])
+
+    def scatter(self, z: torch.Tensor, x: torch.Tensor) -> None:
+        """Write the component's vector `z` back into `x` (nothing to do for a view)."""
+        if self.adjacent:
+            return
+        at = 0
+        for a, b in self.spans:
+            x[a:b] = z[at:at + b - a]
+            at += b - a
+
+    def V(self, thetas: Sequence[torch.Tensor]) -> torch.Tensor:
+        """$V \theta$ on the component's vector (a buffer reused by the next call)."""
+        out = self._buffer
+        if out is None or out.device != thetas[0].device:
+            out = self._buffer = torch.zeros(self.n, dtype=self.dtype, device=thetas[0].device)
+        else:
+            out.zero_()
         for t, th in zip(self.tangents, thetas, strict=True):
             t.apply(th, out)
         return out
@@ -244,53 +327,56 @@ class _Component:
     def Vt(self, y: torch.Tensor) -> list[torch.Tensor]:
         return [t.adjoint(y) for t in self.tangents]
 
-    def _prepare(self, m: torch.Tensor) -> Any:
-        """What a projection with the weights `m` needs (cached for the last `m`)."""
-        if self._pre is not None and self._pre[0] is m:
-            return self._pre[1]
-        live = m > 0
+    def _prepare(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """`(m on the component's entries, m > 0 there, what a projection with the weights m
+        needs)`, kept for the last two `m` (a space alternates between its metric and a ball's
+        weights)."""
+        hit = self._pre.get(id(m))
+        if hit is not None and hit[0] is m:
+            return hit[1], hit[2], hit[3]
+        mi = self.gather(m)
+        live = mi > 0
         if self.kind == "dense":
-            mi = m[self.index]
-            G = (self.C * mi) @ self.C.T
-            pre: Any = _restricted_pinv(G, self.C[:, ~live[self.index]])
+            pre: Any = _restricted_pinv((self.C * mi) @ self.C.T, self.C[:, ~live])
         else:
-            pre = [_fold_preconditioner(t, m, live, self.size, self.dtype)
-                   for t in self.tangents]
-        self._pre = (m, pre)
-        return pre
+            pre = [_fold_preconditioner(t, mi, live, self.n, self.dtype) for t in self.tangents]
+        if len(self._pre) >= 2:
+            self._pre.pop(next(iter(self._pre)))
+        self._pre[id(m)] = (m, mi, live, pre)
+        return mi, live, pre
 
     def project(self, x: torch.Tensor, m: torch.Tensor, tol: float, max_iter: int) -> int:
         r"""`x` ← $\Pi_V x$ on this component's entries (in place); the iterations used."""
-        pre = self._prepare(m)
+        mi, live, pre = self._prepare(m)
+        z = self.gather(x)
+        iters = 1
         if self.kind == "dense":
-            xi = x[self.index]
-            t = pre @ (self.C @ (m[self.index] * xi))
-            x[self.index] = xi - self.C.T @ t
-            return 1
-        if self.kind == "diag":
-            t = [pre[0][1] * self.tangents[0].adjoint(m * x)]
-            x -= self.V(t, torch.zeros_like(x)) * (m > 0)
-            return 1
-        t, iters = _pcg(self, m, x, pre, tol, max_iter)
-        x -= self.V(t, torch.zeros_like(x)) * (m > 0)
+            z -= self.C.T @ (pre @ (self.C @ (mi * z)))
+        elif self.kind == "diag":
+            t = [pre[0][1] * self.tangents[0].adjoint(mi * z)]
+            z -= self.V(t) * live
+        else:
+            t, iters = _pcg(self, mi, z, pre, tol, max_iter)
+            if iters:  # none: horizontal already, to rounding
+                z -= self.V(t) * live
+        self.scatter(z, x)
         return iters
 
 
-def _fold_preconditioner(t: _Tangent, m: torch.Tensor, live: torch.Tensor, size: int,
+def _fold_preconditioner(t: _Tangent, m: torch.Tensor, live: torch.Tensor, n: int,
                          dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-    r"""$(V_f^\top M V_f)^{+}$ on the directions of finite length ($(V_f t)_F = 0$)."""
+    r"""$(V_f^\top M V_f)^{+}$ on the directions of finite length ($(V_f t)_F = 0$), on the
+    component's vector of length `n`."""
     if t.disjoint:
-        ones = torch.ones(t.k, dtype=dtype, device=m.device)
-        v1 = torch.zeros(size, dtype=dtype, device=m.device)
-        t.apply(ones, v1)
+        v1 = torch.zeros(n, dtype=dtype, device=m.device)
+        t.apply(torch.ones(t.k, dtype=dtype, device=m.device), v1)
         g = t.adjoint(m * v1)  # diag(V_fᵀ M V_f): its columns have disjoint supports
         ok = g > 0
         if bool((~live).any()):
             ok = ok & (t.adjoint((~live).to(dtype) * v1 * v1) == 0)
         return "diag", torch.where(ok, 1.0 / torch.where(ok, g, 1.0), 0.0)
-    offsets, index = _spans([t], m.device)
-    C = t.columns(offsets, index.numel())
-    return "dense", _restricted_pinv((C * m[index]) @ C.T, C[:, ~live[index]])
+    C = t.C if t.C is not None else t._columns()
+    return "dense", _restricted_pinv((C * t.own(m)) @ C.T, C[:, ~t.own(live)])
 
 
 def _restricted_pinv(G: torch.Tensor, CF: torch.Tensor) -> torch.Tensor:
@@ -315,16 +401,17 @@ def _pcg(comp: _Component, m: torch.Tensor, x: torch.Tensor, pre: list, tol: flo
     def dot(a, b):
         return sum(float(ai @ bi) for ai, bi in zip(a, b, strict=True))
 
-    b = comp.Vt(m * x)
+    mx = m * x
+    b = comp.Vt(mx)
     z = precondition(b)
     rz0 = rz = dot(b, z)
     t = [torch.zeros_like(bi) for bi in b]
-    if rz0 <= (1e3 * torch.finfo(x.dtype).eps) ** 2 * float((m * x * x).sum()):
+    if rz0 <= (1e3 * torch.finfo(x.dtype).eps) ** 2 * float(mx @ x):
         return t, 0  # horizontal already, to rounding
     r, d, it = b, z, 0
     while it < max_iter:
         it += 1
-        Ad = comp.Vt(m * comp.V(d, torch.zeros_like(x)))
+        Ad = comp.Vt(m * comp.V(d))
         dAd = dot(d, Ad)
         if dAd <= 0:
             break
@@ -369,13 +456,15 @@ class TranslationConstraint:
 
     def __init__(self, folds: Sequence[Fold], base: Params, entries: Sequence[Any], size: int,
                  dtype: torch.dtype, dense_limit: float | None = None) -> None:
-        params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in base.items()}
+        params = _own_storage({n: t.to(dtype) if t.is_floating_point() else t
+                               for n, t in base.items()}, folds)
         slots = {e.name: e for e in entries}
         self.size, self.dtype = size, dtype
         self.tol = 1e-14 if dtype == torch.float64 else 1e-6
         limit = self.dense_limit if dense_limit is None else dense_limit
-        self.tangents = [t for t in (_Tangent(f, params, slots, dtype) for f in folds) if t.names]
-        self.components = [_Component(group, size, dtype, limit)
+        self.tangents = [t for t in (_Tangent(f, params, slots, dtype, limit) for f in folds)
+                         if t.names]
+        self.components = [_Component(group, dtype, limit)
                            for group in _connected(self.tangents)]
         self.iterations = 0  # the most of any component in the last projection
 
@@ -397,6 +486,18 @@ class TranslationConstraint:
                 self.iterations = max(self.iterations,
                                       c.project(row, m, self.tol, self.max_iter))
         return x.to(u.dtype)
+
+
+def _own_storage(params: Params, folds: Sequence[Fold]) -> dict[str, torch.Tensor]:
+    """`params` with the folds' parameters copied out of any larger storage they view (forward
+    mode through a view materialises a tangent of its whole base: a bias viewing the model's
+    flat vector would have a tangent as large as the model)."""
+    out = dict(params)
+    for n in {n for f in folds for n in f.params if n in out}:
+        t = out[n]
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            out[n] = t.clone()
+    return out
 
 
 def _connected(tangents: Sequence[_Tangent]) -> list[list[_Tangent]]:
