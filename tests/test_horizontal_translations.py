@@ -8,6 +8,7 @@ written out by hand on the named parameters.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -20,6 +21,7 @@ import quotient_manifolds.sharpness.engine as engine
 from quotient_manifolds.errors import InfeasibleSolutionError
 from quotient_manifolds.manifolds.constrained import ConstrainedAdaptiveTangentSpace
 from quotient_manifolds.models.model_geometry import ModelGeometry
+from quotient_manifolds.models.precision import float64_internals
 from quotient_manifolds.models.translations import TranslationConstraint, translation_folds
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -169,6 +171,34 @@ def test_conjugate_gradients_agree_with_the_explicit_gram_matrices(tiny):
     a, b = dense.project(u, m), cg.project(u, m)
     assert float((a - b).norm()) <= 1e-10 * float(a.norm())
     assert float((cg.project(b, m) - b).norm()) <= 1e-10 * float(b.norm())
+
+
+def test_gradients_skip_only_orbits_they_are_horizontal_to(tiny):
+    """The engine's gradients skip the components whose orbit tangents are the same at every
+    point: there the gradient of the invariant loss, at any point, is horizontal already."""
+    name, model, sym = tiny
+    geo = _geometry(model, sym, 1e-2)
+    space, tc = geo.adaptive_space, geo.translations
+    assert space.invariant_gradients
+    assert any(c.fixed for c in tc.components)
+    moved = copy.deepcopy(model)  # away from the canonical point: invariance holds everywhere
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.1 * p.abs().mean() * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    named = dict(moved.named_parameters())
+    with float64_internals():
+        loss = LOSS[name](moved, _ids())
+    grads = dict(zip(named, torch.autograd.grad(loss, list(named.values())), strict=True))
+    u = space.c2 * geo.gather({n: grads.get(n, torch.zeros_like(t)) for n, t in geo.base.items()
+                               })[-1]
+    m = space.inv_c2
+    full, skipped = tc.project(u, m), tc.project(u, m, gradient=True)
+    assert float((full - skipped).norm()) <= 1e-10 * float(u.norm())
+    # a vector that is no gradient is not horizontal there: skipping would be wrong for it
+    r = torch.randn(u.shape, generator=gen, dtype=torch.float64)
+    assert float((tc.project(r, m) - tc.project(r, m, gradient=True)).norm()) > 1e-3 * float(
+        r.norm())
 
 
 def test_feasibility_check_rejects_a_vertical_component(monkeypatch):

@@ -36,9 +36,12 @@ __all__ = ["ConstrainedAdaptiveTangentSpace", "LinearConstraint"]
 class LinearConstraint(Protocol):
     """Orbit directions $V$ on a flat vector: `project(u, m)` is $\\Pi_V u$, orthogonal in
     $\\sum u v\\, m$ (`u` of shape `(..., D)`, `m` of shape `(D,)`, non-negative; entries with
-    `m = 0` are frozen and never moved)."""
+    `m = 0` are frozen and never moved). `gradient=True` says that `u` is the Riemannian
+    gradient of a loss invariant along the orbits: a constraint may then skip what it knows to
+    be horizontal already."""
 
-    def project(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor: ...
+    def project(self, u: torch.Tensor, m: torch.Tensor, gradient: bool = False
+                ) -> torch.Tensor: ...
 
 
 class ConstrainedAdaptiveTangentSpace(AdaptiveTangentSpace):
@@ -50,12 +53,18 @@ class ConstrainedAdaptiveTangentSpace(AdaptiveTangentSpace):
     $\sum u^2/w_2$; `sample` and `sample_weighted` project their Gaussians the same way, so they
     are the standard Gaussians of $\mathcal H$. The metric, the Christoffel form and the
     retractions are those of the adaptive space ($\mathcal H$ is a linear subspace).
+
+    With `invariant_gradients=True` the caller promises that every `egrad2rgrad` input is the
+    gradient of a loss invariant along the orbits, at a point reached by $w + \xi$ (the
+    sharpness engine's gradients); the constraint then skips the parts it knows to be
+    horizontal already (`project(..., gradient=True)`). The default projects every input.
     """
 
     def __init__(self, manifold: AdaptiveEuclidean, x0: torch.Tensor,
-                 constraint: LinearConstraint) -> None:
+                 constraint: LinearConstraint, invariant_gradients: bool = False) -> None:
         super().__init__(manifold, x0)
         self.constraint = constraint
+        self.invariant_gradients = invariant_gradients
         self._weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:
@@ -69,7 +78,9 @@ class ConstrainedAdaptiveTangentSpace(AdaptiveTangentSpace):
 
     def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         r = super().egrad2rgrad(g)
-        return into(self.constraint.project(r.to(self.dtype), self.inv_c2).to(g.dtype), out)
+        r = self.constraint.project(r.to(self.dtype), self.inv_c2,
+                                    gradient=self.invariant_gradients)
+        return into(r.to(g.dtype), out)
 
     def egrad2rgrad_and_norm2(self, g: torch.Tensor, *, out: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -137,6 +137,7 @@ class _Tangent:
         self.disjoint = isinstance(fold, _DISJOINT)
         self.names: list[str] = []
         self.C: torch.Tensor | None = None
+        self.fixed = False  # V_f the same at every point (a broadcast closed form)
         self._lines: dict[str, list[int]] = {}  # a closed form: θ broadcast from these shapes
         self._signs: dict[str, float] = {}
         if not names or self.k == 0:  # its orbit lies in the GL blocks and frozen entries
@@ -164,11 +165,14 @@ class _Tangent:
             row = [1, *os_[1:]]
             self._lines = {word: row, other: row}
             self._signs = {other: -1.0}
-            self._adj = lambda cot: (((cot[word].sum(0) if word in cot else 0)
-                                      - (cot[other].sum(0) if other in cot else 0)).reshape(-1),)
+            zero = torch.zeros(self.k, dtype=dtype, device=theta0.device)
+            self._adj = lambda cot: ((cot[word].sum(0).reshape(-1) if word in cot else zero)
+                                     - (cot[other].sum(0).reshape(-1) if other in cot
+                                        else zero),)
         else:
             self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
             self._adj = lambda cot: self._vjp(cot)
+        self.fixed = closed
         probe = torch.randn(self.k, dtype=dtype, generator=torch.Generator().manual_seed(0))
         self._fn = moved(names)
         tang = self._tangent(probe.to(theta0.device))
@@ -288,6 +292,7 @@ class _Component:
         self.n = sum(b - a for a, b in self.spans)
         self.adjacent = all(b == a for (_, b), (a, _) in zip(self.spans, self.spans[1:]))
         self.K = sum(t.k for t in tangents)
+        self.fixed = all(t.fixed for t in tangents)
         if len(tangents) == 1 and tangents[0].disjoint:
             self.kind = "diag"
         elif self.K * self.n <= dense_limit:
@@ -473,16 +478,29 @@ class TranslationConstraint:
         """The folds with a component on the adaptive vector."""
         return [t.fold for t in self.tangents]
 
-    def project(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        r"""$\Pi_V u$, orthogonal in $\sum u v\, m$ (one projection per leading index)."""
-        if not self.components:
+    def active(self, gradient: bool = False) -> list[_Component]:
+        """The components a projection applies (with `gradient`: those whose $V$ depends on
+        the point)."""
+        return [c for c in self.components if not (gradient and c.fixed)]
+
+    def project(self, u: torch.Tensor, m: torch.Tensor, gradient: bool = False
+                ) -> torch.Tensor:
+        r"""$\Pi_V u$, orthogonal in $\sum u v\, m$ (one projection per leading index).
+
+        `gradient=True` says that `u` is $c^2 \odot \nabla L$ for a loss that is invariant
+        along every orbit, taken at a point $w + \xi$ reached by the first-order retraction.
+        Then the components whose $V$ is the same at every point (centrings, table shifts) are
+        skipped: $L(w + V t) = L(w)$ for all $w$ and $t$ gives $V^\top \nabla L = 0$, so
+        $V^\top M u = V^\top \nabla L = 0$ and $\Pi_V u = u$ there, in exact arithmetic."""
+        components = self.active(gradient)
+        if not components:
             return u
         m = m.to(self.dtype)
         x = u.to(self.dtype, copy=True)
         rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.unsqueeze(0)
         self.iterations = 0
         for row in rows:
-            for c in self.components:
+            for c in components:
                 self.iterations = max(self.iterations,
                                       c.project(row, m, self.tol, self.max_iter))
         return x.to(u.dtype)
@@ -575,4 +593,5 @@ def adaptive_space(geometry: Any, w0: torch.Tensor, folds: Sequence[Fold], base:
     if tc is None or not tc.components:
         return manifold, manifold.at(w0), None
     space_tc = tc if wrap is None else wrap(tc)
-    return manifold, ConstrainedAdaptiveTangentSpace(manifold, w0, space_tc), tc
+    invariant = geometry.adaptive_retraction == "first_order"  # ξ ↦ w + ξ: ∇_ξ L = ∇_w L
+    return manifold, ConstrainedAdaptiveTangentSpace(manifold, w0, space_tc, invariant), tc

@@ -212,14 +212,19 @@ class ShardedConstraint:
         whole = torch.cat([b[:, :n] for b, n in zip(bufs, self.counts, strict=True)], dim=1)
         return whole.reshape(*x.shape[:-1], whole.shape[-1])
 
-    def project(self, u: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        r"""This rank's slice of $\Pi_V$ of the whole vector (not differentiable)."""
+    def project(self, u: torch.Tensor, m: torch.Tensor, gradient: bool = False
+                ) -> torch.Tensor:
+        r"""This rank's slice of $\Pi_V$ of the whole vector (not differentiable); nothing is
+        gathered when no component applies (`gradient`: see `TranslationConstraint.project`)."""
+        if not self.constraint.active(gradient):
+            return u
         if torch.is_grad_enabled() and u.requires_grad:
             raise ShardedModelError("the sharded translation projection is not differentiable; "
                                     "call it under torch.no_grad() on a detached vector")
         if self._m is None or self._m[0] is not m:  # the constraint caches on the whole m
             self._m = (m, self._gather(m))
-        return self.constraint.project(self._gather(u), self._m[1])[..., self.lo:self.hi]
+        whole = self.constraint.project(self._gather(u), self._m[1], gradient)
+        return whole[..., self.lo:self.hi]
 
 
 @dataclass
