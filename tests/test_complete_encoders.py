@@ -160,6 +160,46 @@ def test_post_norm_embedding_table_shift_by_hand():
     _check(model, moved, _torch_data(), _torch_loss, _torch_out)
 
 
+def _shear(P, T):
+    """E -> E T^T, the first attention's input projection -> W T^{-1} (by hand)."""
+    a = "encoder.layers.0.self_attn."
+    with torch.no_grad():
+        P["emb.weight"].copy_(P["emb.weight"] @ T.T)
+        P[a + "in_proj_weight"].copy_(P[a + "in_proj_weight"] @ torch.linalg.inv(T))
+
+
+def test_post_norm_first_stream_shear_by_hand():
+    """The token table read directly by the first post-norm block: the shear T = I + 1 a^T
+    moves each token's row by the constant a.x, which the first LayerNorm removes, and the
+    in_proj undoes it (W T^{-1}). Claimed, canonicalised to the same point from the sheared
+    model; a near miss (I + v a^T, v not along 1) moves the outputs."""
+    model = torch_encoder(False)
+    moved, P = _edit(model)
+    a = _randn(8, seed=68)
+    one = torch.ones(8, 1, dtype=torch.float64)
+    _shear(P, torch.eye(8, dtype=torch.float64) + one * a[None])
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out)
+    sym = qm.discover(model, symmetry="complete", warn=False, example_inputs=torch_inputs())
+    assert [f.table for f in sym.folds if f.kind == "input_shear"] == ["emb.weight"]
+    c0, _ = sym.canonicalize({n: x.detach() for n, x in model.named_parameters()})
+    c1, _ = sym.canonicalize({n: x.detach() for n, x in moved.named_parameters()})
+    assert max(float((c0[n] - c1[n]).abs().max()) for n in c0) < 1e-10
+    near, Q = _edit(model)
+    v = one[:, 0] + _randn(8, seed=69, scale=0.3)
+    _shear(Q, torch.eye(8, dtype=torch.float64) + v[:, None] * a[None])
+    with torch.no_grad():
+        y, z = model(_torch_data()[0][0]), near(_torch_data()[0][0])
+    assert (y - z).abs().max() > 1e-3 * y.abs().max()
+
+
+def test_prenorm_claims_no_first_stream_shear():
+    """In a pre-norm model the table is read by a LayerNorm first: no shear is proposed (its
+    mean is free there, the writer centring's case)."""
+    sym = qm.discover(torch_encoder(True), symmetry="complete", warn=False,
+                      example_inputs=torch_inputs())
+    assert not [f for f in sym.folds if f.kind == "input_shear"]
+
+
 # -- RoBERTa: the padding pair ---------------------------------------------------------------------
 def test_roberta_padding_pair_shift_by_hand():
     """word[pad] + s, position[pad] - s: a token sits at position pad exactly when it is the pad
