@@ -200,6 +200,15 @@ def test_prenorm_claims_no_first_stream_shear():
     assert not [f for f in sym.folds if f.kind == "input_shear"]
 
 
+@pytest.mark.slow
+def test_audit_post_norm_encoder_explains_every_flat_direction():
+    """With the input shears (d = 8) the post-norm encoder has no unexplained flat direction."""
+    r = audit(torch_encoder(False), inputs=torch_inputs())
+    assert r.violation < 1e-10 and r.gap[0] > 1e4 * r.gap[1], r.to_dict()
+    assert r.by_kind.get("input_shear") == 8, r.by_kind
+    assert r.unexplained == 0 and r.flat == r.claimed + r.unused, r.to_dict()
+
+
 # -- RoBERTa: the padding pair ---------------------------------------------------------------------
 def test_roberta_padding_pair_shift_by_hand():
     """word[pad] + s, position[pad] - s: a token sits at position pad exactly when it is the pad
@@ -218,6 +227,33 @@ def test_roberta_padding_pair_shift_by_hand():
     data = _cls_data(low=3)
     data[0]["input_ids"][:, -2:] = pad  # right padding, attended to (no mask)
     _check(model, moved, data, _hf_loss, _hf_out)
+
+
+def test_roberta_padding_token_input_scaling_is_near_flat_only():
+    """The one flat direction the audit leaves on RoBERTa: the padding token's input to the
+    embeddings' LayerNorm, e = word[pad] + position[pad] + type[0], scaled through the word
+    row (word[pad] + 0.7 e). Exact once that LayerNorm's eps is 0, moved by eps alone: no
+    symmetry, so nothing claims it."""
+    model = ZOO["roberta"]()
+    pad = model.config.pad_token_id
+    e = "roberta.embeddings."
+    moved, P = _edit(model)
+    with torch.no_grad():
+        x = sum(P[e + t][pad if t != "token_type_embeddings.weight" else 0] for t in (
+            "word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight"))
+        P[e + "word_embeddings.weight"][pad].add_(0.7 * x)
+    data = _cls_data(low=3)
+    data[0]["input_ids"][:, -2:] = pad
+
+    def change(eps):
+        for m in (model, moved):
+            m.roberta.embeddings.LayerNorm.eps = eps
+        with torch.no_grad(), float64_internals():
+            a, b = _hf_out(model, data[0]), _hf_out(moved, data[0])
+        return float((a - b).abs().max() / a.abs().max())
+
+    assert change(0.0) < 1e-12
+    assert change(1e-5) > 1e-7
 
 
 def test_roberta_whole_table_shift_fixes_the_first_read_row():
