@@ -233,7 +233,8 @@ def test_roberta_padding_token_input_scaling_is_near_flat_only():
     """The one flat direction the audit leaves on RoBERTa: the padding token's input to the
     embeddings' LayerNorm, e = word[pad] + position[pad] + type[0], scaled through the word
     row (word[pad] + 0.7 e). Exact once that LayerNorm's eps is 0, moved by eps alone: no
-    symmetry, so nothing claims it."""
+    symmetry, so nothing claims it; the near-flat search builds it (the same rows, exact at
+    eps = 0)."""
     model = ZOO["roberta"]()
     pad = model.config.pad_token_id
     e = "roberta.embeddings."
@@ -254,6 +255,17 @@ def test_roberta_padding_token_input_scaling_is_near_flat_only():
 
     assert change(0.0) < 1e-12
     assert change(1e-5) > 1e-7
+    model.roberta.embeddings.LayerNorm.eps = 1e-12
+    work = copy.deepcopy(model)
+    for m in work.modules():
+        if isinstance(m, nn.Embedding):
+            m.padding_idx = None
+    p = Prober(work, {"input_ids": data[0]["input_ids"]})
+    rows = [f for f in near_flat(p, p.params) if hasattr(f, "rows")]
+    assert [f.rows for f in rows] == [((e + "word_embeddings.weight", pad),
+                                      (e + "position_embeddings.weight", pad),
+                                      (e + "token_type_embeddings.weight", 0))]
+    assert rows[0].exact < 1e-10
 
 
 def test_roberta_whole_table_shift_fixes_the_first_read_row():
@@ -367,7 +379,7 @@ def test_prenorm_stream_writer_is_no_near_flat_scaling():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert", "electra", "distilbert"])
+@pytest.mark.parametrize("name", ["bert", "electra", "distilbert", "roberta"])
 def test_audit_encoders(name):
     """No unexplained flat direction; the near-flat ones lie in the measured kernel."""
     kw = {"inputs": torch_inputs()} if name.startswith("torch") else {}
