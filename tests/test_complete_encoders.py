@@ -160,6 +160,55 @@ def test_post_norm_embedding_table_shift_by_hand():
     _check(model, moved, _torch_data(), _torch_loss, _torch_out)
 
 
+def _shear(P, T):
+    """E -> E T^T, the first attention's input projection -> W T^{-1} (by hand)."""
+    a = "encoder.layers.0.self_attn."
+    with torch.no_grad():
+        P["emb.weight"].copy_(P["emb.weight"] @ T.T)
+        P[a + "in_proj_weight"].copy_(P[a + "in_proj_weight"] @ torch.linalg.inv(T))
+
+
+def test_post_norm_first_stream_shear_by_hand():
+    """The token table read directly by the first post-norm block: the shear T = I + 1 a^T
+    moves each token's row by the constant a.x, which the first LayerNorm removes, and the
+    in_proj undoes it (W T^{-1}). Claimed, canonicalised to the same point from the sheared
+    model; a near miss (I + v a^T, v not along 1) moves the outputs."""
+    model = torch_encoder(False)
+    moved, P = _edit(model)
+    a = _randn(8, seed=68)
+    one = torch.ones(8, 1, dtype=torch.float64)
+    _shear(P, torch.eye(8, dtype=torch.float64) + one * a[None])
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out)
+    sym = qm.discover(model, symmetry="complete", warn=False, example_inputs=torch_inputs())
+    assert [f.table for f in sym.folds if f.kind == "input_shear"] == ["emb.weight"]
+    c0, _ = sym.canonicalize({n: x.detach() for n, x in model.named_parameters()})
+    c1, _ = sym.canonicalize({n: x.detach() for n, x in moved.named_parameters()})
+    assert max(float((c0[n] - c1[n]).abs().max()) for n in c0) < 1e-10
+    near, Q = _edit(model)
+    v = one[:, 0] + _randn(8, seed=69, scale=0.3)
+    _shear(Q, torch.eye(8, dtype=torch.float64) + v[:, None] * a[None])
+    with torch.no_grad():
+        y, z = model(_torch_data()[0][0]), near(_torch_data()[0][0])
+    assert (y - z).abs().max() > 1e-3 * y.abs().max()
+
+
+def test_prenorm_claims_no_first_stream_shear():
+    """In a pre-norm model the table is read by a LayerNorm first: no shear is proposed (its
+    mean is free there, the writer centring's case)."""
+    sym = qm.discover(torch_encoder(True), symmetry="complete", warn=False,
+                      example_inputs=torch_inputs())
+    assert not [f for f in sym.folds if f.kind == "input_shear"]
+
+
+@pytest.mark.slow
+def test_audit_post_norm_encoder_explains_every_flat_direction():
+    """With the input shears (d = 8) the post-norm encoder has no unexplained flat direction."""
+    r = audit(torch_encoder(False), inputs=torch_inputs())
+    assert r.violation < 1e-10 and r.gap[0] > 1e4 * r.gap[1], r.to_dict()
+    assert r.by_kind.get("input_shear") == 8, r.by_kind
+    assert r.unexplained == 0 and r.flat == r.claimed + r.unused, r.to_dict()
+
+
 # -- RoBERTa: the padding pair ---------------------------------------------------------------------
 def test_roberta_padding_pair_shift_by_hand():
     """word[pad] + s, position[pad] - s: a token sits at position pad exactly when it is the pad
@@ -178,6 +227,45 @@ def test_roberta_padding_pair_shift_by_hand():
     data = _cls_data(low=3)
     data[0]["input_ids"][:, -2:] = pad  # right padding, attended to (no mask)
     _check(model, moved, data, _hf_loss, _hf_out)
+
+
+def test_roberta_padding_token_input_scaling_is_near_flat_only():
+    """The one flat direction the audit leaves on RoBERTa: the padding token's input to the
+    embeddings' LayerNorm, e = word[pad] + position[pad] + type[0], scaled through the word
+    row (word[pad] + 0.7 e). Exact once that LayerNorm's eps is 0, moved by eps alone: no
+    symmetry, so nothing claims it; the near-flat search builds it (the same rows, exact at
+    eps = 0)."""
+    model = ZOO["roberta"]()
+    pad = model.config.pad_token_id
+    e = "roberta.embeddings."
+    moved, P = _edit(model)
+    with torch.no_grad():
+        x = sum(P[e + t][pad if t != "token_type_embeddings.weight" else 0] for t in (
+            "word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight"))
+        P[e + "word_embeddings.weight"][pad].add_(0.7 * x)
+    data = _cls_data(low=3)
+    data[0]["input_ids"][:, -2:] = pad
+
+    def change(eps):
+        for m in (model, moved):
+            m.roberta.embeddings.LayerNorm.eps = eps
+        with torch.no_grad(), float64_internals():
+            a, b = _hf_out(model, data[0]), _hf_out(moved, data[0])
+        return float((a - b).abs().max() / a.abs().max())
+
+    assert change(0.0) < 1e-12
+    assert change(1e-5) > 1e-7
+    model.roberta.embeddings.LayerNorm.eps = 1e-12
+    work = copy.deepcopy(model)
+    for m in work.modules():
+        if isinstance(m, nn.Embedding):
+            m.padding_idx = None
+    p = Prober(work, {"input_ids": data[0]["input_ids"]})
+    rows = [f for f in near_flat(p, p.params) if hasattr(f, "rows")]
+    assert [f.rows for f in rows] == [((e + "word_embeddings.weight", pad),
+                                      (e + "position_embeddings.weight", pad),
+                                      (e + "token_type_embeddings.weight", 0))]
+    assert rows[0].exact < 1e-10
 
 
 def test_roberta_whole_table_shift_fixes_the_first_read_row():
@@ -291,7 +379,7 @@ def test_prenorm_stream_writer_is_no_near_flat_scaling():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bert", "electra", "distilbert"])
+@pytest.mark.parametrize("name", ["bert", "electra", "distilbert", "roberta"])
 def test_audit_encoders(name):
     """No unexplained flat direction; the near-flat ones lie in the measured kernel."""
     kw = {"inputs": torch_inputs()} if name.startswith("torch") else {}

@@ -33,7 +33,7 @@ CLASSIFIERS = {"bert", "roberta", "electra", "distilbert"}
 # its metric is not already invariant under them (it is under the MLP unit scalings, whose
 # weights are in the elementwise metric)
 FULL_BLIND = {"norm_shift", "reader_centring", "centring", "softmax_shift", "embedding_shift",
-              "rotation", "table_shift", "pad_shift", "token_shift", "score_shift",
+              "rotation", "table_shift", "input_shear", "pad_shift", "token_shift", "score_shift",
               "shift_reader"}
 TOL_OUT, TOL_MEASURE, FULL_MOVES = 1e-10, 1e-6, 1e-4
 RHO, N_ITER = 0.05, 3

@@ -406,6 +406,24 @@ def table_shift(ctx: Ctx, claim: Any) -> None:
     ctx.P[claim.residual_bias].sub_(t)
 
 
+def input_shear(ctx: Ctx, claim: Any) -> None:
+    r"""A table read directly by a post-norm block: the shear $T = I + \mathbb 1 a^\top$ as a
+    matrix, $E \to E T^\top$, every consumer's rows $W_j \to W_j T^{-1}$ (a matrix inverse);
+    $a$ drawn with $1 + a^\top \mathbb 1 = e^{z}$ (the identity component)."""
+    E = ctx.P[claim.table]
+    if not isinstance(ctx.modules[claim.table.rpartition(".")[0]], nn.Embedding):
+        raise AssertionError(f"{claim.table}: a shear claimed on no embedding table")
+    d = E.shape[-1]
+    a = ctx.randn(d)
+    a = a - a.mean() + (math.exp(float(ctx.randn(1))) - 1) / d
+    T = torch.eye(d, dtype=torch.float64) + torch.ones(d, 1, dtype=torch.float64) * a[None]
+    E.copy_(E @ T.T)
+    Tinv = torch.linalg.inv(T)
+    for cons in claim.consumers:
+        M, _ = _consumer(ctx.P, cons)
+        M.copy_(M @ Tinv)
+
+
 def shift_reader(ctx: Ctx, claim: Any) -> None:
     r"""A LayerNorm read by linear maps without bias: $(W_j, β) \mapsto (W_j M, M^{-1} β)$,
     $M = I + a v^\top$, $v = \mathbb 1 ⊘ γ$ (gain offset measured), $M^{-1}β$ by a linear
@@ -645,6 +663,7 @@ CONSTRUCTIONS: dict[str, Construction] = {
     "fold norm_gain [NormGainFold]": norm_gain,
     "fold norm_gain [ReturnedNormGainFold]": norm_gain,
     "fold table_shift [TableShiftFold]": table_shift,
+    "fold input_shear [ShearFold]": input_shear,
     "fold shift_reader [ShiftReaderFold]": shift_reader,
     "fold pad_shift [PadShiftFold]": pad_shift,
     "fold token_shift [SliceShiftFold]": token_shift,

@@ -21,6 +21,13 @@ traced forward pass of a [`Prober`][quotient_manifolds.models.prober.Prober] and
 * the group element $\lambda$: the direct writers' weights and biases and the norm writers'
   gains and shifts times $\lambda$, the norm writers' readers' weights times $1/\lambda$.
 
+* **the padding token's rows** (RoBERTa): where a token reads position row $p$ exactly when it
+  is the padding token $p$ (the padding pair), that token's input to the embeddings' norm is
+  $e = E_w[p] + E_p[p] + \sum_k E_k[r_k]$ (the other tables at the one row $r_k$ the traced
+  input reads) and nothing else writes it: $E_w[p] \mapsto E_w[p] + (\lambda - 1)\, e$ scales
+  it alone ([`RowNearFlat`][quotient_manifolds.models.near_flat.RowNearFlat]), checked on the
+  traced input with padding tokens added.
+
 It is reported only if a finite element ($\lambda = 1.7$) leaves the outputs unchanged to
 $10^{-10}$ (relative) once this norm's $\varepsilon$ is set to $0$: a symmetry of the
 $\varepsilon = 0$ model, broken by $\varepsilon$ alone. The audit then counts the directions
@@ -40,9 +47,9 @@ from torch import nn
 from .linear import Consumer, ReadQuery, linear_layer, readers_of, storage
 from .norms import is_norm, norm_bias, norm_weight
 from .precision import float64_internals, no_fastpath
-from .prober import Prober, relative_change
+from .prober import Prober, output_tensors, relative_change
 
-__all__ = ["NearFlat", "near_flat"]
+__all__ = ["NearFlat", "RowNearFlat", "near_flat"]
 
 Params = Mapping[str, torch.Tensor]
 
@@ -107,6 +114,39 @@ class NearFlat:
                 "reason": f"scaling of the input of {self.norm}: flat only up to its "
                           f"eps={self.eps:g}"}
 
+
+
+@dataclass(frozen=True)
+class RowNearFlat(NearFlat):
+    r"""The scaling of a norm's input at the tokens that read one row of each table (the
+    padding token of a padding pair): $E_w[p] \mapsto E_w[p] + (\lambda - 1)\, e$,
+    $e = \sum_k E_k[r_k]$ over `rows` (the first is written)."""
+
+    rows: tuple[tuple[str, int], ...] = ()
+
+    def _e(self, params: Params) -> torch.Tensor:
+        return sum((params[t][r] for t, r in self.rows[1:]), params[self.rows[0][0]][
+            self.rows[0][1]])
+
+    def _write(self, base: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        i = torch.tensor([self.rows[0][1]], device=base.device)
+        return base.index_add(0, i, v.to(base.dtype)[None])
+
+    def act(self, params: Params, lam: float) -> dict[str, torch.Tensor]:
+        t = self.rows[0][0]
+        return {**params, t: self._write(params[t], (lam - 1) * self._e(params))}
+
+    def tangent(self, params: Params, names: Sequence[str]) -> torch.Tensor:
+        t = self.rows[0][0]
+        moved = {n: torch.zeros_like(params[n]) for n in names}
+        moved[t] = self._write(moved[t], self._e(params))
+        return torch.cat([moved[n].reshape(-1).to(torch.float64) for n in names])
+
+    def describe(self) -> dict:
+        """A JSON-friendly summary."""
+        return {**super().describe(), "rows": [list(r) for r in self.rows],
+                "reason": f"scaling of the input of {self.norm} at the tokens reading rows "
+                          f"{list(self.rows)} alone: flat only up to its eps={self.eps:g}"}
 
 @contextlib.contextmanager
 def _eps(m: nn.Module, value: float) -> Iterator[None]:
@@ -226,4 +266,56 @@ def near_flat(p: Prober, params: Params) -> list[NearFlat]:
             continue
         change = relative_change(p.run(params), p.run(moved))
         found.append(NearFlat(c.name, eps, tuple(up), tuple(down), exact, change))
+    return found + _padding_rows(p, params)
+
+
+def _one_row(p: Prober, table: nn.Embedding) -> int | None:
+    """The one row of `table` the traced pass reads (`None`: several, or none)."""
+    for c in p.calls:
+        if p.modules[c.name] is table and c.args and isinstance(c.args[0], torch.Tensor):
+            rows = c.args[0].unique()
+            return int(rows[0]) if rows.numel() == 1 else None
+    return None
+
+
+def _padding_rows(p: Prober, params: Params) -> list[NearFlat]:
+    """The padding token's near-flat scaling, for each padding pair (module docstring)."""
+    from .families.embeddings import _padded, _paired  # the pair's test, shared
+
+    found: list[NearFlat] = []
+    for m in p.modules.values():
+        tables = [c for c in m.children() if isinstance(c, nn.Embedding)]
+        norms = [c for c in m.children() if is_norm(c) and isinstance(getattr(c, "eps", None),
+                                                                    float) and c.eps > 0]
+        if len(tables) < 2 or len(norms) != 1:
+            continue
+        word = max(tables, key=lambda t: t.num_embeddings)
+        pad = next((x for x in (*(t.padding_idx for t in tables if t is not word),
+                                getattr(m, "padding_idx", None)) if isinstance(x, int)), None)
+        w = p.name(word.weight)
+        pos = next((t for t in tables if t is not word and isinstance(pad, int)
+                    and 0 <= pad < t.num_embeddings - 1 and pad < word.num_embeddings
+                    and _paired(p, w, p.name(t.weight), pad)), None)
+        if pos is None or pad is None:
+            continue
+        rest = [(p.name(t.weight), _one_row(p, t)) for t in tables if t not in (word, pos)]
+        inputs = _padded(p, pad)
+        if inputs is None or any(r is None for _, r in rest):
+            continue
+        rows = ((w, pad), (p.name(pos.weight), pad), *((t, int(r)) for t, r in rest
+                                                       if r is not None))
+        norm = next(n for n, x in p.modules.items() if x is norms[0])
+        cand = RowNearFlat(norm, float(norms[0].eps), tuple(dict.fromkeys(t for t, _ in rows)),
+                           (), rows=rows)
+
+        def run(q: Params, inputs=inputs) -> list[torch.Tensor]:
+            with torch.no_grad(), no_fastpath(), float64_internals():
+                return output_tensors(torch.func.functional_call(
+                    p.model, {**q, **p.buffers}, inputs[0], inputs[1]))
+        moved = cand.act(params, _LAMBDA)
+        with _eps(norms[0], 0.0):
+            exact = relative_change(run(params), run(moved))
+        if exact <= _EXACT_RTOL:
+            found.append(RowNearFlat(cand.norm, cand.eps, cand.up, (), exact,
+                                     relative_change(run(params), run(moved)), rows=rows))
     return found

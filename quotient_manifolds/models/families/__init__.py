@@ -13,6 +13,7 @@ from .attention import Attention, rope_pairs
 from .bias import BiasTranslations, KeyBiasFold, ValueBiasFold
 from .centring import CentringFold, LayerNormCentring, ReaderCentringFold
 from .embeddings import EmbeddingShiftFold, EmbeddingShifts, PadShiftFold, TiedEmbeddingShiftFold
+from .input_shear import InputShears, ShearFold
 from .lora import LoRA
 from .mlp import Neurons
 from .norm_gain import NormGainFold, NormGains
@@ -33,12 +34,14 @@ __all__ = [
     "EmbeddingShiftFold",
     "EmbeddingShifts",
     "HomogeneousPairs",
+    "InputShears",
     "LayerNormCentring",
     "ReaderCentringFold",
     "ResidualRotations",
     "RotationFold",
     "ScoreShiftFold",
     "ScoreShifts",
+    "ShearFold",
     "ShiftReaderFold",
     "SliceShiftFold",
     "SoftmaxShift",
@@ -68,6 +71,7 @@ FAMILIES: list[SymmetryFamily] = [
     QKNorms(),
     NormGains(),
     NormShifts(),
+    InputShears(),
     BiasTranslations(),
     LayerNormCentring(),
     EmbeddingShifts(),
