@@ -137,7 +137,7 @@ class _Tangent:
         self.disjoint = isinstance(fold, _DISJOINT)
         self.names: list[str] = []
         self.C: torch.Tensor | None = None
-        self.fixed = False  # V_f the same at every point (a broadcast closed form)
+        self.fixed = False
         self._lines: dict[str, list[int]] = {}  # a closed form: θ broadcast from these shapes
         self._signs: dict[str, float] = {}
         if not names or self.k == 0:  # its orbit lies in the GL blocks and frozen entries
@@ -172,7 +172,10 @@ class _Tangent:
         else:
             self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
             self._adj = lambda cot: self._vjp(cot)
-        self.fixed = closed
+        # V_f the same at every point of the perturbation: a broadcast, or a reader centring
+        # whose gain and shift are not perturbed (norm parameters are never in GL blocks)
+        self.fixed = closed or (isinstance(fold, ReaderCentringFold) and not any(
+            n in slots for n in (fold.gain, fold.shift) if n))
         probe = torch.randn(self.k, dtype=dtype, generator=torch.Generator().manual_seed(0))
         self._fn = moved(names)
         tang = self._tangent(probe.to(theta0.device))
@@ -489,8 +492,9 @@ class TranslationConstraint:
 
         `gradient=True` says that `u` is $c^2 \odot \nabla L$ for a loss that is invariant
         along every orbit, taken at a point $w + \xi$ reached by the first-order retraction.
-        Then the components whose $V$ is the same at every point (centrings, table shifts) are
-        skipped: $L(w + V t) = L(w)$ for all $w$ and $t$ gives $V^\top \nabla L = 0$, so
+        Then the components whose $V$ is the same at every point (centrings, table shifts, the
+        reader centrings of norms whose gain and shift are not perturbed) are skipped:
+        $L(w + V t) = L(w)$ for all $w$ and $t$ gives $V^\top \nabla L = 0$, so
         $V^\top M u = V^\top \nabla L = 0$ and $\Pi_V u = u$ there, in exact arithmetic."""
         components = self.active(gradient)
         if not components:
