@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -349,6 +350,28 @@ class FinetuneExperiment(PopulationExperiment):
 
     def keep(self, member: Member, quick: bool) -> bool:
         return bool(member.meta["converged"])
+
+    def train_logged(self, out: str | os.PathLike, *, quick: bool = False,
+                     progress: bool = True, log: Callable[[str], None] | None = None
+                     ) -> tuple[PopulationStore, list[str]]:
+        """Train every member not yet on disk (resumable), with `log` given each member's
+        progress; returns the store and the members' ids."""
+        store = PopulationStore(out, self.name)
+        ctx = self.prepare(store, quick)
+        ctx["log"] = log
+        store, members, _ = self.train_population(out, quick=quick, progress=progress, ctx=ctx)
+        return store, [m.id for m in members]
+
+    def train_in_background(self, argv: Sequence[str]) -> None:
+        """The body of `python -m <module> OUT [--quick]`: train with time-stamped log lines
+        on stdout, one thread (for a background run, resumable)."""
+        torch.set_num_threads(1)
+
+        def log(msg: str) -> None:
+            print(time.strftime("%H:%M:%S"), msg, flush=True)
+
+        self.train_logged(argv[1], quick="--quick" in argv, progress=False, log=log)
+        log("done")
 
     def measure_protocol(self, quick: bool) -> dict:
         from .rho_sweep import (

@@ -376,12 +376,7 @@ EXPERIMENT = MinilmFinetuneExperiment()
 def train_population(out: str | os.PathLike, *, quick: bool = False, progress: bool = True,
                      log: Callable[[str], None] | None = None) -> tuple[PopulationStore, list]:
     """Train every member not yet on disk (resumable); returns the store and the ids."""
-    store = PopulationStore(out, NAME)
-    ctx = EXPERIMENT.prepare(store, quick)
-    ctx["log"] = log
-    store, members, _ = EXPERIMENT.train_population(out, quick=quick, progress=progress,
-                                                    ctx=ctx)
-    return store, [m.id for m in members]
+    return EXPERIMENT.train_logged(out, quick=quick, progress=progress, log=log)
 
 
 def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
@@ -394,12 +389,4 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
 
 
 if __name__ == "__main__":  # background training: python -m ... OUT [--quick]
-    torch.set_num_threads(1)
-    _out = sys.argv[1]
-    _quick = "--quick" in sys.argv
-
-    def _log(msg: str) -> None:
-        print(time.strftime("%H:%M:%S"), msg, flush=True)
-
-    train_population(_out, quick=_quick, progress=False, log=_log)
-    _log("done")
+    EXPERIMENT.train_in_background(sys.argv)

@@ -234,12 +234,7 @@ EXPERIMENT = MinilmSoupExperiment()
 def train_population(out: str | os.PathLike, *, quick: bool = False, progress: bool = True,
                      log: Callable[[str], None] | None = None) -> tuple[PopulationStore, list]:
     """Train every member not yet on disk (resumable); returns the store and the ids."""
-    store = PopulationStore(out, NAME)
-    ctx = EXPERIMENT.prepare(store, quick)
-    ctx["log"] = log
-    store, members, _ = EXPERIMENT.train_population(out, quick=quick, progress=progress,
-                                                    ctx=ctx)
-    return store, [m.id for m in members]
+    return EXPERIMENT.train_logged(out, quick=quick, progress=progress, log=log)
 
 
 def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
@@ -252,10 +247,4 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
 
 
 if __name__ == "__main__":  # background training: python -m ... OUT [--quick]
-    torch.set_num_threads(1)
-
-    def _log(msg: str) -> None:
-        print(time.strftime("%H:%M:%S"), msg, flush=True)
-
-    train_population(sys.argv[1], quick="--quick" in sys.argv, progress=False, log=_log)
-    _log("done")
+    EXPERIMENT.train_in_background(sys.argv)
