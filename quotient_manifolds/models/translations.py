@@ -313,8 +313,9 @@ class _Component:
         return torch.cat([x[a:b] for a, b in self.spans])
 
     def scatter(self, z: torch.Tensor, x: torch.Tensor) -> None:
-        """Write the component's vector `z` back into `x` (nothing to do for a view)."""
+        """Write the component's vector `z` back into `x` (in `x`'s dtype)."""
         if self.adjacent:
+            x[self.spans[0][0]:self.spans[-1][1]] = z
             return
         at = 0
         for a, b in self.spans:
@@ -342,7 +343,7 @@ class _Component:
         hit = self._pre.get(id(m))
         if hit is not None and hit[0] is m:
             return hit[1], hit[2], hit[3]
-        mi = self.gather(m)
+        mi = self.gather(m).to(self.dtype)
         live = mi > 0
         if self.kind == "dense":
             pre: Any = _restricted_pinv((self.C * mi) @ self.C.T, self.C[:, ~live])
@@ -357,6 +358,8 @@ class _Component:
         r"""`x` ← $\Pi_V x$ on this component's entries (in place); the iterations used."""
         mi, live, pre = self._prepare(m)
         z = self.gather(x)
+        own = z.dtype == self.dtype and self.adjacent  # z is a view of x: written in place
+        z = z.to(self.dtype)
         iters = 1
         if self.kind == "dense":
             z -= self.C.T @ (pre @ (self.C @ (mi * z)))
@@ -367,7 +370,8 @@ class _Component:
             t, iters = _pcg(self, mi, z, pre, tol, max_iter)
             if iters:  # none: horizontal already, to rounding
                 z -= self.V(t) * live
-        self.scatter(z, x)
+        if not own:
+            self.scatter(z, x)
         return iters
 
 
@@ -499,15 +503,14 @@ class TranslationConstraint:
         components = self.active(gradient)
         if not components:
             return u
-        m = m.to(self.dtype)
-        x = u.to(self.dtype, copy=True)
+        x = u.clone(memory_format=torch.contiguous_format)  # components work in self.dtype
         rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.unsqueeze(0)
         self.iterations = 0
         for row in rows:
             for c in components:
                 self.iterations = max(self.iterations,
                                       c.project(row, m, self.tol, self.max_iter))
-        return x.to(u.dtype)
+        return x
 
 
 def _own_storage(params: Params, folds: Sequence[Fold]) -> dict[str, torch.Tensor]:
