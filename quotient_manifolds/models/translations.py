@@ -170,6 +170,7 @@ class _Tangent:
                                      - (cot[other].sum(0).reshape(-1) if other in cot
                                         else zero),)
         else:
+            params = _own_storage(params, [fold])
             self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
             self._adj = lambda cot: self._vjp(cot)
         # V_f the same at every point of the perturbation: a broadcast, or a reader centring
@@ -216,6 +217,23 @@ class _Tangent:
         """Place the slots in the component's vector (`offsets[(start, stop)]`: the position of
         the flat span `[start, stop)` there)."""
         self.at = {n: offsets[(e.start, e.stop)] for n, e in self.slots.items()}
+
+    def gram_diagonal(self, m: torch.Tensor, live: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""A broadcast's $\operatorname{diag}(V_f^\top M V_f)$ (the sums of `m` over the
+        entries each coordinate moves, its signs squared) and the coordinates that move an
+        entry of infinite weight (`~live`), from the component's vectors, without temporaries
+        of their size."""
+        g = torch.zeros(self.k, dtype=m.dtype, device=m.device)
+        dead = torch.zeros(self.k, dtype=torch.bool, device=m.device)
+        for n, e in self.slots.items():
+            o, shape, line = self.at[n], self._shapes[n], self._lines[n]
+            axes = tuple(i for i, s in enumerate(line) if s == 1 and shape[i] != 1)
+            mm = m[o:o + e.stop - e.start].view(shape)
+            g += (mm.sum(axes) if axes else mm).reshape(-1)
+            dd = ~live[o:o + e.stop - e.start].view(shape)
+            dead |= (dd.any(axes) if axes else dd).reshape(-1)
+        return g, dead
 
     def own(self, y: torch.Tensor) -> torch.Tensor:
         """The tangent's own entries of the component's vector `y`."""
@@ -379,6 +397,10 @@ def _fold_preconditioner(t: _Tangent, m: torch.Tensor, live: torch.Tensor, n: in
                          dtype: torch.dtype) -> tuple[str, torch.Tensor]:
     r"""$(V_f^\top M V_f)^{+}$ on the directions of finite length ($(V_f t)_F = 0$), on the
     component's vector of length `n`."""
+    if t._lines and all(e.index is None for e in t.slots.values()):
+        g, dead = t.gram_diagonal(m, live)  # a broadcast: sums of m along its axes
+        ok = (g > 0) & ~dead
+        return "diag", torch.where(ok, 1.0 / torch.where(ok, g, 1.0), 0.0)
     if t.disjoint:
         v1 = torch.zeros(n, dtype=dtype, device=m.device)
         t.apply(torch.ones(t.k, dtype=dtype, device=m.device), v1)
@@ -468,8 +490,7 @@ class TranslationConstraint:
 
     def __init__(self, folds: Sequence[Fold], base: Params, entries: Sequence[Any], size: int,
                  dtype: torch.dtype, dense_limit: float | None = None) -> None:
-        params = _own_storage({n: t.to(dtype) if t.is_floating_point() else t
-                               for n, t in base.items()}, folds)
+        params = {n: t.to(dtype) if t.is_floating_point() else t for n, t in base.items()}
         slots = {e.name: e for e in entries}
         self.size, self.dtype = size, dtype
         self.tol = 1e-14 if dtype == torch.float64 else 1e-6
