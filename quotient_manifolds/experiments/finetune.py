@@ -364,8 +364,7 @@ class FinetuneExperiment(PopulationExperiment):
 
     def train_in_background(self, argv: Sequence[str]) -> None:
         """The body of `python -m <module> OUT [--quick]`: train with time-stamped log lines
-        on stdout, one thread (for a background run, resumable)."""
-        torch.set_num_threads(1)
+        on stdout (for a background run, resumable; the caller sets the threads)."""
 
         def log(msg: str) -> None:
             print(time.strftime("%H:%M:%S"), msg, flush=True)

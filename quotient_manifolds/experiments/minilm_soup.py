@@ -247,4 +247,5 @@ def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -
 
 
 if __name__ == "__main__":  # background training: python -m ... OUT [--quick]
+    torch.set_num_threads(1)
     EXPERIMENT.train_in_background(sys.argv)
