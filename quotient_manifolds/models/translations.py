@@ -50,7 +50,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.func import jacfwd, jvp, vjp
 
 from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
 from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace, LinearConstraint
@@ -58,6 +57,7 @@ from .families.centring import CentringFold, ReaderCentringFold
 from .families.embeddings import EmbeddingShiftFold
 from .families.norm_shift import NormShiftFold
 from .families.rotation import RotationFold
+from .fold_tangents import FoldTangent
 from .symmetry import Fold
 
 __all__ = ["TRANSLATIONS", "TranslationConstraint", "adaptive_space", "horizontal_translations",
@@ -67,7 +67,6 @@ TRANSLATIONS = (CentringFold, ReaderCentringFold, NormShiftFold, EmbeddingShiftF
 """The translation folds whose orbits the perturbations are made horizontal to (the softmax
 shift is a `CentringFold`, the tied embedding shift an `EmbeddingShiftFold`)."""
 
-_DISJOINT = (CentringFold, ReaderCentringFold, EmbeddingShiftFold)
 _SLICED = (NormShiftFold, EmbeddingShiftFold)  # folds that freeze a slice of their orbit
 
 Params = Mapping[str, torch.Tensor]
@@ -119,173 +118,7 @@ def _unfreeze(frozen: Mapping[str, torch.Tensor], folds: Sequence[Fold],
     return out
 
 
-class _Tangent:
-    r"""$V_f$ of one fold on its component's vector (the component's entries, concatenated;
-    its columns: the fold's `act_at` coordinates).
-
-    Three forms: a value broadcast along an axis (a plain centring), the dense `(k, n)` matrix
-    of its columns on its own entries (when `k × entries` is at most `dense_limit`: made once,
-    by forward mode batched over the coordinates), or forward and reverse mode through the
-    fold's `act_at` per product (a large fold, e.g. the shift of a word table)."""
-
-    def __init__(self, fold: Fold, params: Params, slots: Mapping[str, Any],
-                 dtype: torch.dtype, dense_limit: float) -> None:
-        self.fold = fold
-        self.k = int(fold.lie_dim(params))
-        names = [n for n in fold.params if n in slots]
-        self._theta0 = theta0 = torch.zeros(self.k, dtype=dtype, device=_device(params))
-        self.disjoint = isinstance(fold, _DISJOINT)
-        self.names: list[str] = []
-        self.C: torch.Tensor | None = None
-        self.fixed = False
-        self._lines: dict[str, list[int]] = {}  # a closed form: θ broadcast from these shapes
-        self._signs: dict[str, float] = {}
-        if not names or self.k == 0:  # its orbit lies in the GL blocks and frozen entries
-            return
-
-        def moved(names):
-            return lambda th: {n: fold.act_at(params, th)[n] for n in names}
-
-        closed = isinstance(fold, CentringFold) and type(fold).act_at is CentringFold.act_at
-        if closed and isinstance(fold, CentringFold):
-            name, axis = fold.param, fold.axis  # a value broadcast along an axis
-            w = params[name]
-            line = list(w.shape)
-            line[axis] = 1
-            self._tangent = lambda th: {name: th.view(line).expand(w.shape)}
-            self._adj = lambda cot: (cot[name].sum(axis).reshape(-1),)
-            self._lines = {name: line}
-        elif type(fold).act_at is EmbeddingShiftFold.act_at and isinstance(fold,
-                                                                             EmbeddingShiftFold):
-            closed = True  # a row broadcast along two tables, with opposite signs
-            word, other = fold.word, fold.other
-            ws, os_ = params[word].shape, params[other].shape
-            self._tangent = lambda th: {word: th.view(os_[1:]).expand(ws),
-                                        other: -th.view(os_[1:]).expand(os_)}
-            row = [1, *os_[1:]]
-            self._lines = {word: row, other: row}
-            self._signs = {other: -1.0}
-            zero = torch.zeros(self.k, dtype=dtype, device=theta0.device)
-            self._adj = lambda cot: ((cot[word].sum(0).reshape(-1) if word in cot else zero)
-                                     - (cot[other].sum(0).reshape(-1) if other in cot
-                                        else zero),)
-        else:
-            params = _own_storage(params, [fold])
-            self._tangent = lambda th: jvp(self._fn, (theta0,), (th,))[1]
-            self._adj = lambda cot: self._vjp(cot)
-        # V_f the same at every point of the perturbation: a broadcast, or a reader centring
-        # whose gain and shift are not perturbed (norm parameters are never in GL blocks)
-        self.fixed = closed or (isinstance(fold, ReaderCentringFold) and not any(
-            n in slots for n in (fold.gain, fold.shift) if n))
-        probe = torch.randn(self.k, dtype=dtype, generator=torch.Generator().manual_seed(0))
-        self._fn = moved(names)
-        tang = self._tangent(probe.to(theta0.device))
-        self.names = [n for n in names if bool(self._gather(tang[n], slots[n]).ne(0).any())]
-        self.slots = {n: slots[n] for n in self.names}
-        if not self.names:
-            return
-        self._fn = moved(self.names)
-        self._shapes = {n: params[n].shape for n in self.names}
-        self.local = {}  # where each slot sits in the tangent's own vector
-        at = 0
-        for n, e in self.slots.items():
-            self.local[n], at = (at, at + e.stop - e.start), at + e.stop - e.start
-        self.n = at
-        whole = sum(params[n].numel() for n in self.names)
-        if not closed and self.k * whole <= dense_limit:
-            self.C = self._columns()
-        elif not closed:
-            self._vjp = vjp(self._fn, theta0)[1]
-
-    @staticmethod
-    def _gather(t: torch.Tensor, e: Any) -> torch.Tensor:
-        flat = t.reshape(-1)
-        return flat if e.index is None else flat[e.index]
-
-    def _columns(self) -> torch.Tensor:
-        """The dense `(k, n)` matrix of $V_f^\top$ on the tangent's own entries (forward mode,
-        batched over the coordinates)."""
-        jac = jacfwd(self._fn)(self._theta0)
-        C = torch.empty(self.k, self.n, dtype=self._theta0.dtype, device=self._theta0.device)
-        for n, e in self.slots.items():
-            a, b = self.local[n]
-            J = jac[n].reshape(-1, self.k)
-            C[:, a:b] = (J if e.index is None else J[e.index]).T
-        return C
-
-    def bind(self, offsets: Mapping[tuple[int, int], int]) -> None:
-        """Place the slots in the component's vector (`offsets[(start, stop)]`: the position of
-        the flat span `[start, stop)` there)."""
-        self.at = {n: offsets[(e.start, e.stop)] for n, e in self.slots.items()}
-
-    def gram_diagonal(self, m: torch.Tensor, live: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""A broadcast's $\operatorname{diag}(V_f^\top M V_f)$ (the sums of `m` over the
-        entries each coordinate moves, its signs squared) and the coordinates that move an
-        entry of infinite weight (`~live`), from the component's vectors, without temporaries
-        of their size."""
-        g = torch.zeros(self.k, dtype=m.dtype, device=m.device)
-        dead = torch.zeros(self.k, dtype=torch.bool, device=m.device)
-        for n, e in self.slots.items():
-            o, shape, line = self.at[n], self._shapes[n], self._lines[n]
-            axes = tuple(i for i, s in enumerate(line) if s == 1 and shape[i] != 1)
-            mm = m[o:o + e.stop - e.start].view(shape)
-            g += (mm.sum(axes) if axes else mm).reshape(-1)
-            dd = ~live[o:o + e.stop - e.start].view(shape)
-            dead |= (dd.any(axes) if axes else dd).reshape(-1)
-        return g, dead
-
-    def own(self, y: torch.Tensor) -> torch.Tensor:
-        """The tangent's own entries of the component's vector `y`."""
-        return torch.cat([y[self.at[n]:self.at[n] + b - a] for n, (a, b) in self.local.items()])
-
-    def apply(self, theta: torch.Tensor, out: torch.Tensor) -> None:
-        """`out += V_f theta` (`out`: the component's vector)."""
-        theta = theta.to(self._theta0.dtype)
-        if self.C is not None:
-            v = self.C.T @ theta
-            for n, (a, b) in self.local.items():
-                o = self.at[n]
-                out[o:o + b - a] += v[a:b].to(out.dtype)
-            return
-        if self._lines and all(e.index is None for e in self.slots.values()):
-            for n, e in self.slots.items():  # broadcast in place: no tangent materialised
-                o = self.at[n]
-                out[o:o + e.stop - e.start].view(self._shapes[n]).add_(
-                    theta.view(self._lines[n]).to(out.dtype), alpha=self._signs.get(n, 1.0))
-            return
-        tang = self._tangent(theta)
-        for n, e in self.slots.items():
-            o = self.at[n]
-            out[o:o + e.stop - e.start] += self._gather(tang[n], e).to(out.dtype)
-
-    def adjoint(self, y: torch.Tensor) -> torch.Tensor:
-        r"""$V_f^\top y$ for the component's vector `y`."""
-        dt = self._theta0.dtype
-        if self.C is not None:
-            return (self.C @ self.own(y).to(dt)).to(y.dtype)
-        cot = {}
-        for n, e in self.slots.items():
-            ref = self._shapes[n]
-            piece = y[self.at[n]:self.at[n] + e.stop - e.start].to(dt)
-            if e.index is None:
-                cot[n] = piece.view(ref)
-            else:
-                cot[n] = torch.zeros(ref.numel(), dtype=piece.dtype, device=piece.device
-                                     ).index_copy(0, e.index, piece).view(ref)
-        return self._adj(cot)[0].to(y.dtype)
-
-    def columns(self, n: int) -> torch.Tensor:
-        """The dense `(k, n)` matrix of $V_f^\top$ on the component's vector of length `n`."""
-        own = self.C if self.C is not None else self._columns()
-        C = torch.zeros(self.k, n, dtype=own.dtype, device=own.device)
-        for name, (a, b) in self.local.items():
-            o = self.at[name]
-            C[:, o:o + b - a] = own[:, a:b]
-        return C
-
-
-def _spans(tangents: Sequence[_Tangent]
+def _spans(tangents: Sequence[FoldTangent]
            ) -> tuple[list[tuple[int, int]], dict[tuple[int, int], int]]:
     """The slots' spans of the flat vector, sorted, and each one's offset among them."""
     spans = sorted({(e.start, e.stop) for t in tangents for e in t.slots.values()})
@@ -295,16 +128,12 @@ def _spans(tangents: Sequence[_Tangent]
     return spans, offsets
 
 
-def _device(params: Params) -> torch.device:
-    return next(iter(params.values())).device if params else torch.empty(0).device
-
-
 class _Component:
     r"""Translation folds that share adaptive entries, solved together on the vector of their
     entries: `"diag"` (one fold with disjoint columns), `"dense"` (its Gram matrix formed
     explicitly) or `"cg"` (conjugate gradients, for large coupled folds)."""
 
-    def __init__(self, tangents: list[_Tangent], dtype: torch.dtype, dense_limit: float) -> None:
+    def __init__(self, tangents: list[FoldTangent], dtype: torch.dtype, dense_limit: float) -> None:
         self.tangents = tangents
         self.dtype = dtype
         self.spans, offsets = _spans(tangents)
@@ -393,7 +222,7 @@ class _Component:
         return iters
 
 
-def _fold_preconditioner(t: _Tangent, m: torch.Tensor, live: torch.Tensor, n: int,
+def _fold_preconditioner(t: FoldTangent, m: torch.Tensor, live: torch.Tensor, n: int,
                          dtype: torch.dtype) -> tuple[str, torch.Tensor]:
     r"""$(V_f^\top M V_f)^{+}$ on the directions of finite length ($(V_f t)_F = 0$), on the
     component's vector of length `n`."""
@@ -495,7 +324,7 @@ class TranslationConstraint:
         self.size, self.dtype = size, dtype
         self.tol = 1e-14 if dtype == torch.float64 else 1e-6
         limit = self.dense_limit if dense_limit is None else dense_limit
-        self.tangents = [t for t in (_Tangent(f, params, slots, dtype, limit) for f in folds)
+        self.tangents = [t for t in (FoldTangent(f, params, slots, dtype, limit) for f in folds)
                          if t.names]
         self.components = [_Component(group, dtype, limit)
                            for group in _connected(self.tangents)]
@@ -534,19 +363,7 @@ class TranslationConstraint:
         return x
 
 
-def _own_storage(params: Params, folds: Sequence[Fold]) -> dict[str, torch.Tensor]:
-    """`params` with the folds' parameters copied out of any larger storage they view (forward
-    mode through a view materialises a tangent of its whole base: a bias viewing the model's
-    flat vector would have a tangent as large as the model)."""
-    out = dict(params)
-    for n in {n for f in folds for n in f.params if n in out}:
-        t = out[n]
-        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-            out[n] = t.clone()
-    return out
-
-
-def _connected(tangents: Sequence[_Tangent]) -> list[list[_Tangent]]:
+def _connected(tangents: Sequence[FoldTangent]) -> list[list[FoldTangent]]:
     """The tangents grouped by shared parameters (connected components)."""
     parent = list(range(len(tangents)))
 
@@ -563,7 +380,7 @@ def _connected(tangents: Sequence[_Tangent]) -> list[list[_Tangent]]:
                 parent[find(i)] = find(owner[n])
             else:
                 owner[n] = i
-    groups: dict[int, list[_Tangent]] = {}
+    groups: dict[int, list[FoldTangent]] = {}
     for i, t in enumerate(tangents):
         groups.setdefault(find(i), []).append(t)
     return list(groups.values())
