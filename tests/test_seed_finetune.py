@@ -131,3 +131,48 @@ def test_seed_finetune_quick(tmp_path):
     gr = disk["granulated"]["adaptive"]["axes"]["seed"]
     assert [len(grp["members"]) for grp in gr["groups"]] == [3]
     assert res["convergence"]["n_members"] == 3
+
+
+def test_pipelined_run_keeps_records_apart_and_resumes_without_weights(tmp_path, monkeypatch):
+    from quotient_manifolds.experiments import seed_finetune as sf
+
+    out, weights = tmp_path / "records", tmp_path / "weights"
+    first = sf.run(out, quick=True, progress=False, weights=weights)
+    rec = out / "seed-finetune"
+    assert not list(rec.rglob("*.safetensors"))
+    assert len(list((weights / "seed-finetune" / "members").glob("*.safetensors"))) == 3
+    assert len(list((rec / "measures").glob("*.json"))) == 3
+    # the weights gone: complete records are reused, nothing is trained or rebuilt
+    for f in (weights / "seed-finetune" / "members").glob("*.safetensors"):
+        f.unlink()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a member with complete records was trained or rebuilt")
+
+    monkeypatch.setattr(sf.EXPERIMENT, "train", forbidden)
+    monkeypatch.setattr(sf.EXPERIMENT, "_model", forbidden)
+    again = sf.run(out, quick=True, progress=False, weights=weights)
+    assert [m["measures"] for m in again["members"]] == [m["measures"] for m in first["members"]]
+    # one member's measures lost: that member alone is retrained and measured again
+    monkeypatch.undo()
+    lost = sorted((rec / "measures").glob("m01-*.json"))
+    lost[0].unlink()
+    trained = []
+    real = sf.EXPERIMENT.train
+
+    def counting(ctx, hyper, quick):
+        trained.append(hyper["seed"])
+        return real(ctx, hyper, quick)
+
+    monkeypatch.setattr(sf.EXPERIMENT, "train", counting)
+    third = sf.run(out, quick=True, progress=False, weights=weights)
+    assert trained == [1]
+    assert len(third["members"]) == 3
+
+
+def test_weights_folder_only_for_experiments_that_take_it(tmp_path, capsys):
+    from quotient_manifolds.cli import main
+
+    assert main(["reproduce", "diagonal", "--out", str(tmp_path), "--quick",
+                 "--weights", str(tmp_path / "w")]) == 2
+    assert "--weights is not supported by diagonal" in capsys.readouterr().err

@@ -43,8 +43,9 @@ def _reproduce(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     try:
-        results = run_experiments([args.experiment], args.out, quick=args.quick, progress=True)
-    except (ExperimentUnavailableError, MissingDependencyError) as e:
+        results = run_experiments([args.experiment], args.out, quick=args.quick, progress=True,
+                                  weights=args.weights)
+    except (ExperimentUnavailableError, MissingDependencyError, ValueError) as e:
         print(f"quotient-manifolds reproduce: error: {e}", file=sys.stderr)
         return 2
     print(combined_table(results))
@@ -77,6 +78,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     reproduce.add_argument("experiment", choices=[*EXPERIMENTS, "all"])
     reproduce.add_argument("--out", required=True, help="output folder (results and caches)")
     reproduce.add_argument("--quick", action="store_true", help="small protocol for CI")
+    reproduce.add_argument(
+        "--weights", help="populations only: keep the trained weights in this folder and only "
+        "the records (JSON, figures) under --out, training and measuring one member at a time")
     reproduce.set_defaults(func=_reproduce)
     from .population import add_subcommands
 

@@ -428,7 +428,13 @@ class FinetuneExperiment(PopulationExperiment):
 
         from tqdm.auto import tqdm
 
-        from .rho_sweep import SWEEP_MEASURES, SweepSettings, measure_sweep, sweep_radii
+        from .rho_sweep import (
+            SWEEP_MEASURES,
+            SweepSettings,
+            measure_sweep,
+            sweep_done,
+            sweep_radii,
+        )
 
         if not members:
             ctx["calibration"] = {}
@@ -444,12 +450,30 @@ class FinetuneExperiment(PopulationExperiment):
         bar = tqdm(total=total, desc=f"{self.name}: sharpness", file=sys.stderr,
                    disable=not progress)
         for m in members:
+            cached = store.load_measures(m.id, mhash)
+            if sweep_done(cached, settings):
+                m.measures = cached
+                bar.update(sum(len(radii[SWEEP_MEASURES[k][1]]) for k in names))
+                continue
             model = self._model(ctx, store, m, quick)
             m.measures = measure_sweep(
                 model, self.loss_fn, self.batches(ctx, m, quick), settings=settings,
-                cached=store.load_measures(m.id, mhash),
-                save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
+                cached=cached, save=functools.partial(store.save_measures, m.id, mhash), bar=bar)
         bar.close()
+
+    def measured(self, store: PopulationStore, member: Member, mhash: str,
+                 quick: bool) -> bool:
+        import json
+
+        from .rho_sweep import SweepSettings, sweep_done, sweep_radii
+
+        path = store.dir / f"calibration-{mhash}.json"
+        if not path.exists():
+            return False
+        radii = sweep_radii(json.loads(path.read_text())["calibration"])
+        return sweep_done(store.load_measures(member.id, mhash),
+                          SweepSettings(radii=radii, n_iter=0, seed=self.seed,
+                                        names=self._sweep_names()), allow_errors=True)
 
     def settings(self, quick: bool) -> dict:
         """The population's description for `results.json` (sampler, grid)."""

@@ -237,13 +237,15 @@ def train_population(out: str | os.PathLike, *, quick: bool = False, progress: b
     return EXPERIMENT.train_logged(out, quick=quick, progress=progress, log=log)
 
 
-def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
+def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True,
+        weights: str | os.PathLike | None = None) -> dict:
     """Train (or load) the soup, measure it, write `out/minilm-soup/results.json`.
 
     `quick`: 4 members of a 1-layer MiniLM on 24 tweets cut to 8 tokens, 2 epochs, 2
-    sharpness iterations on 16 tweets (2 batches).
+    sharpness iterations on 16 tweets (2 batches). `weights`: keep the weights there and
+    only the records under `out`, training and measuring one member at a time.
     """
-    return EXPERIMENT.run(out, quick=quick, progress=progress)
+    return EXPERIMENT.run(out, quick=quick, progress=progress, weights=weights)
 
 
 if __name__ == "__main__":  # background training: python -m ... OUT [--quick]

@@ -16,6 +16,7 @@ when their experiment runs, so a missing or broken experiment never breaks the o
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -100,11 +101,14 @@ def run_experiments(
     *,
     quick: bool = False,
     progress: bool = True,
+    weights: str | os.PathLike | None = None,
 ) -> dict[str, dict]:
     """Run the experiments ``names`` (``"all"`` expands to every one, in order).
 
     Returns ``{name: results}``; each results dict also gets ``"wall_s"``, the run's
     wall-clock seconds.  Unknown or unavailable experiments raise before anything runs.
+    ``weights``: the folder for the trained weights of the experiments whose ``run`` takes
+    ``weights=`` (the records stay under ``out``); a ``ValueError`` for any other.
     """
     expanded: list[str] = []
     for n in names:
@@ -112,10 +116,18 @@ def run_experiments(
             if m not in expanded:
                 expanded.append(m)
     runners = {n: load(n) for n in expanded}
+    if weights is not None:
+        cannot = [n for n, r in runners.items()
+                  if "weights" not in inspect.signature(r).parameters]
+        if cannot:
+            raise ValueError(f"--weights is not supported by {', '.join(cannot)}; it is for "
+                             f"{', '.join(n for n in runners if n not in cannot) or 'none'}"
+                             " of these (drop it, or run those experiments separately)")
     results: dict[str, dict] = {}
     for n, run in runners.items():
         t0 = time.perf_counter()
-        res = run(out, quick=quick, progress=progress)
+        res = run(out, quick=quick, progress=progress,
+                  **({} if weights is None else {"weights": weights}))
         res = dict(res)
         res["wall_s"] = time.perf_counter() - t0
         results[n] = res

@@ -52,6 +52,7 @@ __all__ = [
     "calibrate_rho",
     "finish_sweep",
     "measure_sweep",
+    "sweep_done",
     "sweep_radii",
 ]
 
@@ -201,6 +202,26 @@ class SweepSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", tuple(self.names))
+
+
+def sweep_done(cached: Mapping, settings: SweepSettings, *, allow_errors: bool = False
+               ) -> bool:
+    """Whether `cached` (the values of
+    [`measure_sweep`][quotient_manifolds.experiments.rho_sweep.measure_sweep]) holds every
+    measure of `settings.names` at every radius of its family, finite (or, with
+    `allow_errors`, a failed call whose error is recorded), so that nothing is left to run."""
+    if "_unavailable" not in cached:  # written by the sweep's last save
+        return False
+    errors = cached.get("_errors", {})
+    for name in settings.names:
+        tname, fam = SWEEP_MEASURES[name]
+        if tname in cached["_unavailable"]:
+            continue
+        for r in settings.radii[fam]:
+            v = cached.get(name, {}).get(repr(float(r)))
+            if v is None or not (math.isfinite(v) or (allow_errors and name in errors)):
+                return False
+    return True
 
 
 def measure_sweep(

@@ -170,13 +170,15 @@ def train_population(out: str | os.PathLike, *, quick: bool = False, progress: b
     return EXPERIMENT.train_logged(out, quick=quick, progress=progress, log=log)
 
 
-def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
+def run(out: str | os.PathLike, *, quick: bool = False, progress: bool = True,
+        weights: str | os.PathLike | None = None) -> dict:
     """Train (or load) the population, measure it, write `out/seed-finetune/results.json`.
 
     `quick`: 3 members of a 1-layer MiniLM on 24 tweets cut to 8 tokens, a lenient rule,
-    2 sharpness iterations on 8 tweets.
+    2 sharpness iterations on 8 tweets. `weights`: keep the weights there and only the
+    records under `out`, training and measuring one member at a time.
     """
-    return EXPERIMENT.run(out, quick=quick, progress=progress)
+    return EXPERIMENT.run(out, quick=quick, progress=progress, weights=weights)
 
 
 if __name__ == "__main__":  # background training: python -m ... OUT [--quick]

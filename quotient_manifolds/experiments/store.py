@@ -9,6 +9,10 @@ measures/<id>.json         sharpness values of the member, keyed by the protocol
 results.json               the summary (quotient_manifolds.experiments.report)
 ```
 
+With ``weights_root``, the weights go to ``weights_root/<experiment>/members/`` instead and
+the folder above holds only the (small) records, which can be kept under version control
+while the weights stay on a scratch disk.
+
 Every file is written to a temporary name in the same folder and moved into place with
 ``os.replace``, so a crash or Ctrl-C never leaves a half-written file, and a re-run
 skips every member (and every measure) that is already on disk.
@@ -67,20 +71,32 @@ class PopulationStore:
         The output folder (``--out DIR``).
     name : str
         The experiment name (``diagonal``, ``grokking``, …).
+    weights_root : path, optional
+        Where the weights go (``weights_root/name/members``); default: beside the records.
     """
 
-    def __init__(self, root: str | os.PathLike, name: str) -> None:
+    def __init__(self, root: str | os.PathLike, name: str, *,
+                 weights_root: str | os.PathLike | None = None) -> None:
         self.dir = Path(root) / name
         self.members_dir = self.dir / "members"
         self.measures_dir = self.dir / "measures"
-        self.members_dir.mkdir(parents=True, exist_ok=True)
-        self.measures_dir.mkdir(parents=True, exist_ok=True)
+        self.weights_dir = (self.members_dir if weights_root is None
+                            else Path(weights_root) / name / "members")
+        for d in (self.members_dir, self.measures_dir, self.weights_dir):
+            d.mkdir(parents=True, exist_ok=True)
 
     # -- members -------------------------------------------------------------------
     def has_member(self, member_id: str) -> bool:
         """Whether the weights and metadata of ``member_id`` are both on disk."""
-        return ((self.members_dir / f"{member_id}.json").exists()
-                and (self.members_dir / f"{member_id}.safetensors").exists())
+        return self.has_meta(member_id) and self.has_weights(member_id)
+
+    def has_meta(self, member_id: str) -> bool:
+        """Whether the metadata (training record) of ``member_id`` is on disk."""
+        return (self.members_dir / f"{member_id}.json").exists()
+
+    def has_weights(self, member_id: str) -> bool:
+        """Whether the weights of ``member_id`` are on disk."""
+        return (self.weights_dir / f"{member_id}.safetensors").exists()
 
     def save_member(self, member_id: str, state: Mapping[str, torch.Tensor], meta: Mapping) -> None:
         """Store weights (safetensors) first, then the metadata that marks the member done.
@@ -91,8 +107,8 @@ class PopulationStore:
         save_file = require("safetensors.torch", "caching trained members").save_file
 
         (self.measures_dir / f"{member_id}.json").unlink(missing_ok=True)
-        target = self.members_dir / f"{member_id}.safetensors"
-        fd, tmp = tempfile.mkstemp(dir=self.members_dir, prefix=f".{member_id}.", suffix=".tmp")
+        target = self.weights_dir / f"{member_id}.safetensors"
+        fd, tmp = tempfile.mkstemp(dir=self.weights_dir, prefix=f".{member_id}.", suffix=".tmp")
         os.close(fd)
         os.chmod(tmp, 0o666 & ~_UMASK)
         try:
@@ -127,7 +143,7 @@ class PopulationStore:
         load_file = require("safetensors.torch", "reading cached members").load_file
 
         meta = json.loads((self.members_dir / f"{member_id}.json").read_text())
-        return load_file(str(self.members_dir / f"{member_id}.safetensors")), meta
+        return load_file(str(self.weights_dir / f"{member_id}.safetensors")), meta
 
     def load_meta(self, member_id: str) -> dict:
         """Only the metadata of ``member_id``."""

@@ -19,6 +19,12 @@ Every transformer population (`grokking`, `vit-digits`, `lora-minilm`, `minilm-f
    [`summarize`][quotient_manifolds.experiments.report.summarize])
    and the figures.
 
+With `weights=DIR`, the records (training metadata, measures, results) stay under `out` and the
+weights go to `DIR`, and each member is trained and measured before the next is trained, so
+that a run cut off after any member keeps that member's records. A member whose records are
+complete is not retrained; one whose measures are incomplete and whose weights are gone is
+retrained and measured again.
+
 A subclass fills in the hooks; the experiment module exposes
 `run(out, *, quick=False, progress=True)` as `EXPERIMENT.run`. Hooks that call the
 module's own functions look them up at call time, so tests can replace them.
@@ -111,6 +117,12 @@ class PopulationExperiment:
         """Fill `member.measures` of every kept member (cached in `store` under `mhash`)."""
         raise NotImplementedError
 
+    def measured(self, store: PopulationStore, member: Member, mhash: str,
+                 quick: bool) -> bool:
+        """Whether every measure of `member` is cached under `mhash` (default: never, so
+        that the pipelined run measures each member after training it)."""
+        return False
+
     def finish(self, ctx: Any, store: PopulationStore, members: Sequence[Member],
                dropped: Sequence[Member], *, mhash: str, quick: bool, t_start: float) -> dict:
         """Summarise: write `results.json` and the figures, return the results dict."""
@@ -135,9 +147,10 @@ class PopulationExperiment:
 
     def train_population(self, out: str | os.PathLike, *, quick: bool = False,
                          progress: bool = True, ctx: Any = None,
+                         weights: str | os.PathLike | None = None,
                          ) -> tuple[PopulationStore, list[Member], Any]:
         """Steps 1–3: train every member not on disk; returns the store, members and `ctx`."""
-        store = PopulationStore(out, self.name)
+        store = PopulationStore(out, self.name, weights_root=weights)
         if ctx is None:
             ctx = self.prepare(store, quick)
         hypers = self.hypers(quick)
@@ -147,7 +160,8 @@ class PopulationExperiment:
         members = [Member(mid, h, store.load_meta(mid)) for mid, h in zip(ids, hypers)]
         return store, members, ctx
 
-    def run(self, out: str | os.PathLike, *, quick: bool = False, progress: bool = True) -> dict:
+    def run(self, out: str | os.PathLike, *, quick: bool = False, progress: bool = True,
+            weights: str | os.PathLike | None = None) -> dict:
         """Train (or load) the population, measure it, write `out/<name>/results.json`.
 
         Parameters
@@ -158,6 +172,9 @@ class PopulationExperiment:
             The experiment's smoke protocol (a few members, a few steps).
         progress : bool
             tqdm bars on stderr.
+        weights : path, optional
+            Keep the weights here, only the records under `out`, and train and measure one
+            member at a time (module docstring).
 
         Returns
         -------
@@ -165,9 +182,34 @@ class PopulationExperiment:
             The `results.json` content.
         """
         t_start = time.perf_counter()
-        store, members, ctx = self.train_population(out, quick=quick, progress=progress)
+        mhash = protocol_hash(self.measure_protocol(quick))
+        if weights is None:
+            store, members, ctx = self.train_population(out, quick=quick, progress=progress)
+        else:
+            store, members, ctx = self._train_and_measure(out, weights, mhash, quick, progress)
         kept = [m for m in members if self.keep(m, quick)]
         dropped = [m for m in members if not self.keep(m, quick)]
-        mhash = protocol_hash(self.measure_protocol(quick))
         self.measure(ctx, store, kept, mhash, quick, progress)
         return self.finish(ctx, store, kept, dropped, mhash=mhash, quick=quick, t_start=t_start)
+
+    def _train_and_measure(self, out: str | os.PathLike, weights: str | os.PathLike,
+                           mhash: str, quick: bool, progress: bool,
+                           ) -> tuple[PopulationStore, list[Member], Any]:
+        """The pipelined steps 3–5: each member trained (unless its records are complete),
+        then measured, before the next."""
+        store = PopulationStore(out, self.name, weights_root=weights)
+        ctx = self.prepare(store, quick)
+        hypers = self.hypers(quick)
+        ids = self.member_ids(hypers, self.training(quick), self.labels(quick))
+        members = []
+        for mid, h in zip(ids, hypers, strict=True):
+            m = Member(mid, h, store.load_meta(mid)) if store.has_meta(mid) else None
+            done = m is not None and (not self.keep(m, quick)
+                                      or self.measured(store, m, mhash, quick))
+            if not done and not store.has_member(mid):
+                store.save_member(mid, *self.train(ctx, dict(h), quick))
+            m = Member(mid, h, store.load_meta(mid))
+            if not done and self.keep(m, quick):
+                self.measure(ctx, store, [m], mhash, quick, progress)
+            members.append(m)
+        return store, members, ctx
