@@ -32,7 +32,10 @@ HF = {  # name: (model_type, auto class, extra config)
                    {"dim": 8, "n_layers": 2, "n_heads": 2, "hidden_dim": 16}),
     "gpt2": ("gpt2", "AutoModelForCausalLM", {"tie_word_embeddings": True}),
     "gpt2_untied": ("gpt2", "AutoModelForCausalLM", {}),
-    "gpt_neox": ("gpt_neox", "AutoModelForCausalLM", {"rotary_pct": 1.0}),
+    # parallel blocks: with 16 tokens the first block's MLP, which reads the token alone, is a
+    # table of 16 x 8 values with 280 parameters (200 flat directions of the vocabulary, not of
+    # the architecture); 64 tokens make the table larger than the MLP
+    "gpt_neox": ("gpt_neox", "AutoModelForCausalLM", {"rotary_pct": 1.0, "vocab_size": 64}),
     "llama": ("llama", "AutoModelForCausalLM", {}),
     "llama_gqa": ("llama", "AutoModelForCausalLM", {"num_attention_heads": 4, "num_heads": 4,
                                                    "num_key_value_heads": 2, "head_dim": 2}),
@@ -41,7 +44,7 @@ HF = {  # name: (model_type, auto class, extra config)
     "qwen2": ("qwen2", "AutoModelForCausalLM", {}),
     "qwen3": ("qwen3", "AutoModelForCausalLM", {}),
     "gemma": ("gemma", "AutoModelForCausalLM", {}),
-    "phi": ("phi", "AutoModelForCausalLM", {"partial_rotary_factor": 0.5}),
+    "phi": ("phi", "AutoModelForCausalLM", {"partial_rotary_factor": 0.5, "vocab_size": 64}),
     "opt": ("opt", "AutoModelForCausalLM", {"word_embed_proj_dim": 8}),
     "bloom": ("bloom", "AutoModelForCausalLM", {}),
     "olmo": ("olmo", "AutoModelForCausalLM", {}),

@@ -252,7 +252,31 @@ def test_audit_opt_explains_every_flat_direction():
     assert r.by_kind.get("rotation", 0) == 21 and r.by_kind.get("shift_reader", 0) == 8
 
 
+# -- parallel blocks: the attention's and the MLP's output biases are summed ---------------------
+@pytest.mark.parametrize("name, attn, mlp", [
+    ("gpt_neox", "gpt_neox.layers.{}.attention.dense", "gpt_neox.layers.{}.mlp.dense_4h_to_h"),
+    ("phi", "model.layers.{}.self_attn.dense", "model.layers.{}.mlp.fc2")])
+def test_parallel_block_summed_biases_by_hand(name, attn, mlp):
+    """(b_A + t, b_M - t) in every parallel block, t of the size of the weights."""
+    model = ZOO[name]()
+    moved, P = _edit(model)
+    with torch.no_grad():
+        for i in range(2):
+            t = _randn(8, seed=90 + i, scale=3.0)
+            P[attn.format(i) + ".bias"].add_(t)
+            P[mlp.format(i) + ".bias"].sub_(t)
+    _check(model, moved, _data(), metrics=("inv", "mix"))
+
+
+def test_sequential_blocks_claim_no_summed_biases():
+    """BERT and OPT add their attention before a norm reads it: the probe rejects the pairs."""
+    for name in ("bert", "opt"):
+        kinds = {f.kind for f in qm.discover(ZOO[name]()).folds}
+        assert "summed_bias" not in kinds, name
+    assert "summed_bias" in {f.kind for f in qm.discover(ZOO["gpt_neox"]()).folds}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2_untied", "t5", "bart", "olmo"])
+@pytest.mark.parametrize("name", ["gpt2_untied", "t5", "bart", "olmo", "gpt_neox"])
 def test_audit_decoders_explain_every_flat_direction(name):
     _audit_zero(name)

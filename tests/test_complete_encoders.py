@@ -17,7 +17,7 @@ from torch import nn
 
 import quotient_manifolds as qm
 from quotient_manifolds.models.audit import audit
-from quotient_manifolds.models.near_flat import near_flat
+from quotient_manifolds.models.near_flat import StreamNearFlat, near_flat
 from quotient_manifolds.models.precision import float64_internals
 from quotient_manifolds.models.prober import Prober
 
@@ -329,6 +329,111 @@ def test_vit_token_shifts_and_writer_centring_by_hand():
     _check(model, moved, data, _hf_loss, _hf_out)
 
 
+# -- residual rotations of LayerNorm streams (O(d - 1) on 1^perp) ---------------------------------
+def _rotation_fixing_ones(d, seed):
+    """B diag(1, R) B^T: a Haar rotation of the complement of 1, B's first column 1/sqrt(d)."""
+    one = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64)
+    B = torch.linalg.qr(torch.cat([one, torch.eye(d, dtype=torch.float64)], 1))[0][:, :d]
+    B[:, 0] = one[:, 0]
+    R, T = torch.linalg.qr(_randn(d - 1, d - 1, seed=seed))
+    R = R * torch.sign(torch.diagonal(T))
+    full = torch.eye(d, dtype=torch.float64)
+    full[1:, 1:] = R
+    return B @ full @ B.T
+
+
+def _fold_layernorm(P, norm, readers):
+    """gamma and beta into the readers by hand: W diag(gamma), b + W beta; gamma = 1, beta = 0."""
+    g, beta = P[norm + ".weight"], P[norm + ".bias"]
+    for w, b in readers:
+        P[b].add_(P[w] @ beta)
+        P[w].mul_(g[None, :])
+    g.fill_(1.0)
+    beta.zero_()
+
+
+def _rotate(P, Q, writers=(), writer_biases=(), rows=(), readers=()):
+    """Q W (writers' output axis first: linear maps, a convolution), Q b, E Q^T (the stream on
+    the last axis: tables, a class token, positions), W Q^T (readers)."""
+    for w in writers:
+        P[w].copy_(torch.einsum("ij,j...->i...", Q, P[w]))
+    for b in writer_biases:
+        P[b].copy_(Q @ P[b])
+    for e in rows:
+        P[e].copy_(P[e] @ Q.T)
+    for w in readers:
+        P[w].copy_(P[w] @ Q.T)
+
+
+def test_vit_residual_rotation_by_hand():
+    """HF ViT, LayerNorm gains and shifts folded by hand, the stream rotated by a Haar rotation
+    of 1^perp: the patch kernel and every output projection Q W, their biases Q b, the class
+    token and positions E Q^T, every reader W Q^T (the classifier reads the last norm at the
+    class token)."""
+    model = ZOO["vit"]()
+    moved, P = _edit(model)
+    Q = _rotation_fixing_ones(8, seed=80)
+    readers = {"layernorm_before": ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
+               "layernorm_after": ("mlp.fc1",)}
+    with torch.no_grad():
+        lins, outs = ["classifier"], []
+        for i in range(2):
+            p = f"vit.layers.{i}."
+            for norm, rd in readers.items():
+                _fold_layernorm(P, p + norm, [(p + r + ".weight", p + r + ".bias") for r in rd])
+                lins += [p + r for r in rd]
+            outs += [p + "attention.o_proj", p + "mlp.fc2"]
+        _fold_layernorm(P, "vit.layernorm", [("classifier.weight", "classifier.bias")])
+        e = "vit.embeddings."
+        _rotate(P, Q, writers=[e + "patch_embeddings.projection.weight"]
+                + [o + ".weight" for o in outs],
+                writer_biases=[e + "patch_embeddings.projection.bias"]
+                + [o + ".bias" for o in outs],
+                rows=[e + "cls_token", e + "position_embeddings"],
+                readers=[r + ".weight" for r in lins])
+    g = torch.Generator().manual_seed(5)
+    data = [{"pixel_values": torch.randn(4, 1, 4, 4, generator=g, dtype=torch.float64),
+             "labels": torch.randint(0, 3, (4,), generator=g)}]
+    _check(model, moved, data, _hf_loss, _hf_out, metrics=("inv", "mix"))
+
+
+def test_prenorm_encoder_residual_rotation_by_hand():
+    """`nn.TransformerEncoder(norm_first=True)` over token embeddings, mean-pooled: the last
+    norm is read by the head through the mean over the sequence, which commutes with Q."""
+    model = torch_encoder(True)
+    moved, P = _edit(model)
+    Q = _rotation_fixing_ones(8, seed=81)
+    with torch.no_grad():
+        readers, writers, biases = ["head.weight"], [], []
+        for i in range(2):
+            p = f"encoder.layers.{i}."
+            _fold_layernorm(P, p + "norm1", [(p + "self_attn.in_proj_weight",
+                                              p + "self_attn.in_proj_bias")])
+            _fold_layernorm(P, p + "norm2", [(p + "linear1.weight", p + "linear1.bias")])
+            readers += [p + "self_attn.in_proj_weight", p + "linear1.weight"]
+            writers += [p + "self_attn.out_proj.weight", p + "linear2.weight"]
+            biases += [p + "self_attn.out_proj.bias", p + "linear2.bias"]
+        _fold_layernorm(P, "norm", [("head.weight", "head.bias")])
+        _rotate(P, Q, writers=writers, writer_biases=biases, rows=["emb.weight"],
+                readers=readers)
+    _check(model, moved, _torch_data(), _torch_loss, _torch_out, metrics=("inv", "mix"))
+
+
+def test_prenorm_stream_scaling_is_near_flat_only():
+    """ViT (eps = 1e-12): every writer of the stream times lambda scales the input of every
+    norm; the audit's near-flat search builds it, exact at eps = 0 only."""
+    model = ZOO["vit"]()
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 1, 4, 4, generator=g, dtype=torch.float64),)
+    p = Prober(model, x)
+    found = [f for f in near_flat(p, p.params) if isinstance(f, StreamNearFlat)]
+    assert len(found) == 1, found
+    f = found[0]
+    assert len(f.norms) == 5 and "vit.embeddings.cls_token" in f.up
+    assert "vit.layers.0.attention.q_proj.weight" not in f.up  # a reader, not a writer
+    assert f.exact < 1e-10 and 10 * f.exact < f.change < 1e-9
+
+
 # -- the near-flat scalings of post-norm LayerNorm inputs ------------------------------------------
 def _outputs_eps(model, eps, batch):
     m = copy.deepcopy(model)
@@ -372,10 +477,12 @@ def test_bert_layernorm_input_scaling_is_flat_only_at_eps_zero():
 
 def test_prenorm_stream_writer_is_no_near_flat_scaling():
     """In a pre-norm model the last writer alone does not make a norm's input: scaling it is
-    not exact at eps = 0, so nothing is reported."""
+    not exact at eps = 0, so nothing is reported but the scaling of the whole stream."""
     model = torch_encoder(True)
     p = Prober(model, torch_inputs())
-    assert near_flat(p, p.params) == []
+    found = near_flat(p, p.params)
+    assert [type(f) for f in found] == [StreamNearFlat]
+    assert found[0].eps == 1e-5 and found[0].change > 1e-9  # not flat at this eps
 
 
 @pytest.mark.slow
@@ -388,3 +495,17 @@ def test_audit_encoders(name):
     assert r.unexplained == 0, r.to_dict()
     assert r.flat == r.claimed + r.unused + r.near_flat, r.to_dict()
     assert all(x["in_kernel"] and x["exact"] < 1e-10 for x in r.near_flat_reasons)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["vit", "torch_encoder_prenorm"])
+def test_audit_prenorm_layernorm_streams(name):
+    """The stream rotations claimed (ViT: with the patch kernel, class token and positions as
+    writers; the pre-norm encoder: the head reading the last norm through a mean): nothing
+    unexplained; ViT's stream scaling is near-flat (eps = 1e-12), the encoder's is not in the
+    kernel (eps = 1e-5)."""
+    kw = {"inputs": torch_inputs()} if name.startswith("torch") else {}
+    r = audit(ZOO[name](), **kw)
+    assert r.violation < 1e-10 and r.gap[0] > 1e4 * r.gap[1], r.to_dict()
+    assert r.unexplained == 0 and r.flat == r.claimed + r.unused + r.near_flat, r.to_dict()
+    assert r.near_flat == (1 if name == "vit" else 0)

@@ -493,6 +493,13 @@ def embedding_shift(ctx: Ctx, claim: Any) -> None:
         ctx.P[claim.word].add_(float(ctx.randn(1, scale=SCALE)))
 
 
+def summed_bias(ctx: Ctx, claim: Any) -> None:
+    r"""$(b_A + t,\ b_M - t)$ for the two output biases the claim names."""
+    t = ctx.randn(ctx.P[claim.keep].numel(), scale=SCALE)
+    ctx.P[claim.keep].add_(t.view(ctx.P[claim.keep].shape))
+    ctx.P[claim.zero].sub_(t.view(ctx.P[claim.zero].shape))
+
+
 def pad_shift(ctx: Ctx, claim: Any) -> None:
     r"""RoBERTa's padding pair: $(E_w[p] + s,\ E_o[p] - s)$ for the config's `pad_token_id`
     $p$ (the position ids count from $p$, so position $p$ is read exactly with token $p$)."""
@@ -672,6 +679,7 @@ CONSTRUCTIONS: dict[str, Construction] = {
     "fold reader_centring [ReaderCentringFold]": reader_centring,
     "fold key_bias [KeyBiasFold]": key_bias,
     "fold value_bias [ValueBiasFold]": value_bias,
+    "fold summed_bias [SummedBiasFold]": summed_bias,
     "fold centring [CentringFold]": translate_writer,
     "fold softmax_shift [SoftmaxShiftFold]": translate_writer,
     "fold embedding_shift [EmbeddingShiftFold]": embedding_shift,

@@ -219,7 +219,14 @@ def _rank(M: torch.Tensor, rtol: float = 1e-8) -> int:
 def _orthonormal(M: torch.Tensor, rtol: float = 1e-8) -> torch.Tensor:
     if M.shape[1] == 0:
         return M
-    U, s, _ = torch.linalg.svd(M, full_matrices=False)
+    try:
+        U, s, _ = torch.linalg.svd(M, full_matrices=False)
+    except torch.linalg.LinAlgError:  # LAPACK's divide and conquer failed: the QR iteration
+        import scipy.linalg
+
+        u, sv, _ = scipy.linalg.svd(M.detach().to("cpu").numpy(), full_matrices=False,
+                                    lapack_driver="gesvd")  # scipy needs host memory
+        U, s = torch.from_numpy(u).to(M), torch.from_numpy(sv).to(M)
     return U[:, : int((s > rtol * s[0]).sum())] if s.numel() and s[0] > 0 else U[:, :0]
 
 

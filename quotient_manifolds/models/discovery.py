@@ -164,10 +164,14 @@ def _fold_phase(scene: Scene, blocks: Sequence[BlockSpec],
     folds.sort(key=lambda f: f.order)
     if folds:
         outputs = [f for f in folds if f.invariant == "outputs"]
-        err = max(p.probe(Joint(outputs)), p.change(apply_folds(outputs, p.params)[0])) if (
-            outputs) else 0.0
-        if len(outputs) < len(folds):  # symmetries of the loss: the loss is unchanged
-            err = max(err, p.probe(Joint(folds)), p.loss_change(apply_folds(folds, p.params)[0]))
+        with warnings.catch_warnings():  # the conditioning of these internal canonical points
+            # (a subset of the folds, probe points) is not the user's: theirs warns when used
+            warnings.filterwarnings("ignore", message="the canonical basis of the residual")
+            err = max(p.probe(Joint(outputs)), p.change(apply_folds(outputs, p.params)[0])) if (
+                outputs) else 0.0
+            if len(outputs) < len(folds):  # symmetries of the loss: the loss is unchanged
+                err = max(err, p.probe(Joint(folds)),
+                          p.loss_change(apply_folds(folds, p.params)[0]))
         if err > p.fold_tolerance * len(folds):  # folds that pass one by one, not together
             return [], fallbacks + [Fallback("", "folds", (
                 f"the folds pass one by one but together change the output by {err:.1e}; "

@@ -28,6 +28,13 @@ traced forward pass of a [`Prober`][quotient_manifolds.models.prober.Prober] and
   it alone ([`RowNearFlat`][quotient_manifolds.models.near_flat.RowNearFlat]), checked on the
   traced input with padding tokens added.
 
+* **the residual stream** of a pre-norm model: every module that writes the stream
+  ([`stream`][quotient_manifolds.models.stream]: tables, output projections, a patch
+  convolution, a class token and position table) reaches the outputs only through the norms
+  that read it, so all of them times $\lambda$ scale every norm's input at once
+  ([`StreamNearFlat`][quotient_manifolds.models.near_flat.StreamNearFlat]); checked with
+  every one of these norms at $\varepsilon = 0$.
+
 It is reported only if a finite element ($\lambda = 1.7$) leaves the outputs unchanged to
 $10^{-10}$ (relative) once this norm's $\varepsilon$ is set to $0$: a symmetry of the
 $\varepsilon = 0$ model, broken by $\varepsilon$ alone. The audit then counts the directions
@@ -46,10 +53,12 @@ from torch import nn
 
 from .linear import Consumer, ReadQuery, linear_layer, readers_of, storage
 from .norms import is_norm, norm_bias, norm_weight
+from .paths import feeds_only
 from .precision import float64_internals, no_fastpath
 from .prober import Prober, output_tensors, relative_change
+from .stream import writer_params, writes_stream
 
-__all__ = ["NearFlat", "RowNearFlat", "near_flat"]
+__all__ = ["NearFlat", "RowNearFlat", "StreamNearFlat", "near_flat"]
 
 Params = Mapping[str, torch.Tensor]
 
@@ -148,14 +157,30 @@ class RowNearFlat(NearFlat):
                 "reason": f"scaling of the input of {self.norm} at the tokens reading rows "
                           f"{list(self.rows)} alone: flat only up to its eps={self.eps:g}"}
 
+@dataclass(frozen=True)
+class StreamNearFlat(NearFlat):
+    """The scaling of a whole residual stream by its writers (`up`), read by the norms
+    `norms` (`norm` is the first of them, `eps` their largest)."""
+
+    norms: tuple[str, ...] = ()
+
+    def describe(self) -> dict:
+        """A JSON-friendly summary."""
+        return {**super().describe(), "norms": list(self.norms),
+                "reason": f"scaling of the residual stream read by {len(self.norms)} norms: "
+                          f"flat only up to their eps={self.eps:g}"}
+
+
 @contextlib.contextmanager
-def _eps(m: nn.Module, value: float) -> Iterator[None]:
-    old = m.eps
-    m.eps = value  # type: ignore[assignment]  # a norm's float attribute
+def _eps(*mods: nn.Module, value: float = 0.0) -> Iterator[None]:
+    old = [m.eps for m in mods]
+    for m in mods:
+        m.eps = value  # type: ignore[assignment]  # a norm's float attribute
     try:
         yield
     finally:
-        m.eps = old
+        for m, e in zip(mods, old, strict=True):
+            m.eps = e
 
 
 def _first(out: object) -> torch.Tensor | None:
@@ -260,13 +285,58 @@ def near_flat(p: Prober, params: Params) -> list[NearFlat]:
             continue
         cand = NearFlat(c.name, eps, tuple(up), tuple(down))
         moved = cand.act(params, _LAMBDA)
-        with _eps(m, 0.0):
+        with _eps(m):
             exact = relative_change(p.run(params), p.run(moved))
         if exact > _EXACT_RTOL:
             continue
         change = relative_change(p.run(params), p.run(moved))
         found.append(NearFlat(c.name, eps, tuple(up), tuple(down), exact, change))
-    return found + _padding_rows(p, params)
+    return found + _stream(p, params) + _padding_rows(p, params)
+
+
+def _eps_of(m: nn.Module) -> float:
+    """A norm's $\\varepsilon$ (a float attribute)."""
+    eps = getattr(m, "eps", None)
+    return float(eps) if isinstance(eps, float) else 0.0
+
+
+def _stream(p: Prober, params: Params) -> list[NearFlat]:
+    """The scaling of a pre-norm model's residual stream (module docstring), if exact at
+    $\varepsilon = 0$: empty for a model with fewer than two norms of the stream's width."""
+    norms: dict[str, nn.Module] = {}
+    for c in p.calls:
+        m = p.modules[c.name]
+        if is_norm(m) and isinstance(getattr(m, "eps", None), float) and m.eps > 0:
+            norms.setdefault(c.name, m)
+    widths = [norm_weight(m).numel() for m in norms.values()]
+    if len(norms) < 2:
+        return []
+    d = max(set(widths), key=widths.count)
+    stream = {n: m for n, m in norms.items() if norm_weight(m).numel() == d}
+    calls = p.parameterised_calls()
+    readers = set()  # the norms' linear readers (q/k/v, an MLP's input): no writers
+    for c in p.calls:
+        if c.name in stream and isinstance(c.out, torch.Tensor):
+            found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
+            readers |= {x.weight for x in (found[0] if found else ())}
+    sources = list(dict.fromkeys(
+        c.name for c in p.calls if c.name not in stream and writes_stream(
+            p.modules[c.name], _first(c.out), {d}) and not {
+            n for n, _ in writer_params(p, c.name, p.modules[c.name], d)} & readers))
+    feeds = feeds_only(p, sources, list(stream)) if sources else {}
+    up = tuple(dict.fromkeys(param for n in sources if feeds[n]
+                             for param, _ in writer_params(p, n, p.modules[n], d)))
+    if not up or len(stream) < 2:
+        return []
+    cand = StreamNearFlat(next(iter(stream)), max(_eps_of(m) for m in stream.values()), up, (),
+                          norms=tuple(stream))
+    moved = cand.act(params, _LAMBDA)
+    with _eps(*stream.values()):
+        exact = relative_change(p.run(params), p.run(moved))
+    if exact > _EXACT_RTOL:
+        return []
+    change = relative_change(p.run(params), p.run(moved))
+    return [StreamNearFlat(cand.norm, cand.eps, up, (), exact, change, norms=tuple(stream))]
 
 
 def _one_row(p: Prober, table: nn.Embedding) -> int | None:
@@ -313,7 +383,7 @@ def _padding_rows(p: Prober, params: Params) -> list[NearFlat]:
                 return output_tensors(torch.func.functional_call(
                     p.model, {**q, **p.buffers}, inputs[0], inputs[1]))
         moved = cand.act(params, _LAMBDA)
-        with _eps(norms[0], 0.0):
+        with _eps(norms[0]):
             exact = relative_change(run(params), run(moved))
         if exact <= _EXACT_RTOL:
             found.append(RowNearFlat(cand.norm, cand.eps, cand.up, (), exact,

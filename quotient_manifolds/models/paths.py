@@ -11,6 +11,7 @@ cut the graph at the given modules' inputs and test whether a gradient still arr
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -33,13 +34,16 @@ def _projection(p: Prober, outs: Sequence[torch.Tensor]) -> torch.Tensor:
         for t in outs))
 
 
-def reaches_only(p: Prober, module: str, readers: Sequence[str]) -> bool:
+def reaches_only(p: Prober, module: str, readers: Sequence[str], *,
+                 through: bool = False) -> bool:
     """Whether the output of `module` reaches the model's outputs only through the modules
     `readers`.
 
     One forward and backward pass with the readers' inputs detached where they are the
-    module's output: the gradient of the outputs with respect to the module's output is then
-    zero exactly when no other path (a residual connection, a returned hidden state) reads it.
+    module's output (with `through`: every tensor input of theirs, for readers that read it
+    through a pooling): the gradient of the outputs with respect to the module's output is
+    then zero exactly when no other path (a residual connection, a returned hidden state)
+    reads it.
     """
     store: dict = {}
     ptrs: set = set()
@@ -50,9 +54,12 @@ def reaches_only(p: Prober, module: str, readers: Sequence[str]) -> bool:
         ptrs.add(storage(y))
         return y
 
+    def cut_here(a: object) -> bool:
+        return isinstance(a, torch.Tensor) and (through or storage(a) in ptrs)
+
     def pre(mod, args, kwargs):
-        cut = tuple(a.detach() if storage(a) in ptrs else a for a in args)
-        kw = {k: (v.detach() if storage(v) in ptrs else v) for k, v in kwargs.items()}
+        cut = tuple(a.detach() if cut_here(a) else a for a in args)
+        kw = {k: (v.detach() if cut_here(v) else v) for k, v in kwargs.items()}
         return cut, kw
 
     hooks = [p.modules[module].register_forward_hook(post)]
@@ -115,25 +122,34 @@ def feeds_only(p: Prober, sources: Iterable[str], sinks: Iterable[str]) -> dict[
     return {n: zero.get(n, False) for n in sources}
 
 
-def shift_readers(p: Prober, module: str, readers: Sequence[str]) -> list[str]:
+def shift_readers(p: Prober, module: str, readers: Sequence[str], *,
+                  linear: bool = False) -> list[str]:
     r"""The modules of `readers` whose (first) input moves by exactly $t$ when the output $y$ of
     `module` moves by $t$, a random vector along the last axis broadcast over the others: they
     read $y$ through a map that commutes with such a shift (a mean over the sequence, a slice,
-    a dropout in eval mode). A necessary condition for a fold that compensates in them (the
-    probe decides)."""
+    a dropout in eval mode). With `linear`, $y$ is mapped to $y A^\top$ instead, $A$ a random
+    matrix on the last axis, and the input must become $x A^\top$: the map commutes with every
+    linear map of the features (a mean pooling does; a residual rotation needs it). A
+    necessary condition for a fold that compensates in them (the probe decides)."""
     d = p.first_call(module)
     y0 = d.out if d is not None else None
     if not isinstance(y0, torch.Tensor) or not y0.shape:
         return []
-    t = torch.randn(y0.shape[-1], generator=p.gen, dtype=y0.dtype) * (float(y0.abs().max()) + 1)
+    width = y0.shape[-1]
+    t = torch.randn(width, generator=p.gen, dtype=y0.dtype) * (float(y0.abs().max()) + 1)
+    A = (torch.randn(width, width, generator=p.gen, dtype=y0.dtype) / math.sqrt(width)
+         if linear else None)
     seen: dict[str, torch.Tensor] = {}
     done: set[str] = set()
+
+    def moved(y: torch.Tensor) -> torch.Tensor:
+        return y @ A.T if A is not None else y + t
 
     def post(mod, args, out):
         if "y" in done or not isinstance(out, torch.Tensor):
             return None
         done.add("y")
-        return out + t
+        return moved(out)
 
     def pre(name):
         def f(mod, args):
@@ -153,25 +169,29 @@ def shift_readers(p: Prober, module: str, readers: Sequence[str]) -> list[str]:
     for n in dict.fromkeys(readers):
         call, new = p.first_call(n), seen.get(n)
         x = call.args[0] if call is not None and call.args else None
-        if isinstance(x, torch.Tensor) and new is not None and new.shape == x.shape and x.shape[
-                -1:] == t.shape and bool((new - x - t).abs().max() <= 1e-10 * float(t.abs().max())):
+        if not (isinstance(x, torch.Tensor) and new is not None and new.shape == x.shape
+                and x.shape[-1:] == t.shape):
+            continue
+        want = moved(x)
+        if bool((new - want).abs().max() <= 1e-10 * (float(want.abs().max()) + 1e-300)):
             out.append(n)
     return out
 
 
-def pooled_readers(p: Prober, norm: str, d: int) -> tuple[list[Consumer], list[str]]:
+def pooled_readers(p: Prober, norm: str, d: int, *, linear: bool = False,
+                   ) -> tuple[list[Consumer], list[str]]:
     """The linear maps of input width `d` called after `norm` that read its output through a
-    map commuting with a shift along the features
-    ([`shift_readers`][quotient_manifolds.models.paths.shift_readers]: a mean pooling before a
-    classifier head), as [`Consumer`][quotient_manifolds.models.linear.Consumer]s, and their
-    modules. For a norm that no linear map reads directly."""
+    map commuting with a shift along the features (with `linear`: with every linear map of
+    them) ([`shift_readers`][quotient_manifolds.models.paths.shift_readers]: a mean pooling
+    before a classifier head), as [`Consumer`][quotient_manifolds.models.linear.Consumer]s, and
+    their modules. For a norm that no linear map reads directly."""
     later, started = [], False
     for c in p.calls:
         started = started or c.name == norm
         lin = linear_layer(p.modules[c.name])
         if started and lin is not None and lin.in_features == d and c.name not in later:
             later.append(c.name)
-    mods = shift_readers(p, norm, later) if later else []
+    mods = shift_readers(p, norm, later, linear=linear) if later else []
     cons = []
     for n in mods:
         lin = linear_layer(p.modules[n])

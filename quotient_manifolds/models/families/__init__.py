@@ -24,6 +24,7 @@ from .rotation import ResidualRotations, RotationFold
 from .score_shift import ScoreShiftFold, ScoreShifts
 from .shift_reader import ShiftReaderFold
 from .softmax_shift import SoftmaxShift, SoftmaxShiftFold
+from .summed_bias import SummedBiases, SummedBiasFold
 from .token_shifts import SliceShiftFold, TokenShifts
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "SliceShiftFold",
     "SoftmaxShift",
     "SoftmaxShiftFold",
+    "SummedBiasFold",
+    "SummedBiases",
     "TiedEmbeddingShiftFold",
     "KeyBiasFold",
     "LoRA",
@@ -74,6 +77,7 @@ FAMILIES: list[SymmetryFamily] = [
     InputShears(),
     BiasTranslations(),
     LayerNormCentring(),
+    SummedBiases(),
     EmbeddingShifts(),
     TokenShifts(),
     SoftmaxShift(),

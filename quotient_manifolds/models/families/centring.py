@@ -37,11 +37,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..linear import Consumer, ReadQuery, linear_layer, readers_of, storage
+from ..linear import Consumer, ReadQuery, readers_of, storage
 from ..norms import any_norm, is_norm, norm_bias, norm_offset, norm_weight
 from ..paths import feeds_only, pooled_readers
 from ..precision import run_module
 from ..prober import Prober
+from ..stream import writer_params, writes_stream
 from ..symmetry import Centring, Fold, Scene, SymmetryFamily, random_normal, rms
 from .free_norm import free_norm, width
 from .shift_reader import ShiftReaderFold
@@ -175,53 +176,6 @@ def centres(m: nn.Module, args: tuple, kwargs: dict) -> bool:
     return bool((y0 - y1).abs().max() <= 1e-10 * max(float(y0.abs().max()), 1e-300))
 
 
-def _known(m: nn.Module) -> bool:
-    return (isinstance(m, (nn.Embedding, nn.MultiheadAttention, nn.modules.conv._ConvNd))
-            or linear_layer(m) is not None or is_norm(m))
-
-
-def _source(m: nn.Module, out: object, widths: set[int]) -> bool:
-    """Whether the module call may write a width-`d` output into a LayerNorm: a linear map, an
-    embedding table, attention, a convolution (channels on axis 1), or a module with own
-    parameters of width `d` (added to what it returns: a class token, position tables)."""
-    if not isinstance(out, torch.Tensor) or not out.shape:
-        return False
-    if isinstance(m, nn.modules.conv._ConvNd):
-        return out.dim() >= 2 and out.shape[1] in widths
-    if out.shape[-1] not in widths:
-        return False
-    if isinstance(m, (nn.Embedding, nn.MultiheadAttention)) or linear_layer(m) is not None:
-        return True
-    if _known(m):
-        return False
-    own = [t for t in m.parameters(recurse=False) if t.is_floating_point() and t.dim()]
-    return bool(own) and all(t.shape[-1] == out.shape[-1] for t in own)
-
-
-def _writer_params(p: Prober, name: str, m: nn.Module, d: int) -> list[tuple[str, int]]:
-    """`(parameter, axis)` of the translations of a module that writes width-`d` outputs: the
-    weight's output axis (an embedding table: one constant per row; a convolution: one per
-    input channel and kernel offset) and the bias; a module's own width-`d` parameters (one
-    constant per row)."""
-    if isinstance(m, nn.Embedding):
-        return [(p.name(m.weight), 1)]
-    if isinstance(m, nn.modules.conv._ConvNd):  # (out, in, *kernel): one constant per input
-        return [(p.name(m.weight), 0)] + ([(p.name(m.bias), 0)] if m.bias is not None else [])
-    if not _known(m):  # own parameters added to the output (a class token, positions)
-        return [(n if not name else f"{name}.{n}", t.dim() - 1)
-                for n, t in m.named_parameters(recurse=False)
-                if t.is_floating_point() and t.dim() and t.shape[-1] == d]
-    if isinstance(m, nn.MultiheadAttention):
-        m = m.out_proj
-    lin = linear_layer(m)
-    if lin is None:
-        return []
-    out = [(p.name(lin.weight), 1 if lin.transposed else 0)]
-    if lin.bias is not None:
-        out.append((p.name(lin.bias), 0))
-    return out
-
-
 class LayerNormCentring(SymmetryFamily):
     """Writers into LayerNorms and readers of LayerNorm outputs (see the module docstring)."""
 
@@ -254,7 +208,7 @@ class LayerNormCentring(SymmetryFamily):
             out = c.out[0] if isinstance(c.out, tuple) and c.out else c.out
             if c.name in sources:
                 continue
-            if _source(m, out, widths):
+            if writes_stream(m, out, widths):
                 assert isinstance(out, torch.Tensor)
                 conv = isinstance(m, nn.modules.conv._ConvNd)
                 sources[c.name] = int(out.shape[1] if conv else out.shape[-1])
@@ -263,7 +217,7 @@ class LayerNormCentring(SymmetryFamily):
         feeds = feeds_only(p, sources, norms)
         for name in sources:
             if feeds[name]:
-                for param, axis in _writer_params(p, name, p.modules[name], sources[name]):
+                for param, axis in writer_params(p, name, p.modules[name], sources[name]):
                     scene.propose([CentringFold(name, param, axis)])
 
     @staticmethod

@@ -5,21 +5,25 @@ In a pre-norm model whose norms' gains are folded into their readers, the residu
 written by the embeddings and the sublayers' output projections and read only through norms
 followed by linear maps. An RMSNorm is equivariant under every rotation,
 $\mathrm{RMS}(Qx) = Q\,\mathrm{RMS}(x)$, so
+
 $$
 E \mapsto E Q^\top,\qquad W_{\mathrm{out}} \mapsto Q W_{\mathrm{out}},\quad
 b_{\mathrm{out}} \mapsto Q b_{\mathrm{out}},\qquad W_{\mathrm{in}} \mapsto W_{\mathrm{in}} Q^\top
 $$
+
 for every $Q \in O(d)$ computes the same function; a LayerNorm (with the writers and readers
 centred) is equivariant under the rotations that fix $\mathbb 1$, $O(d-1)$ on $\mathbb 1^\perp$.
 
 The measure is made invariant by a **canonical representative**: the stream is expressed in the
-principal axes of $S = \sum_k V_k^\top V_k / \|V_k\|_F^2$, with $V_k$ every stream parameter
+principal axes of $S = \sum_k V_k^\top V_k / \sum_k \|V_k\|_F^2$, with $V_k$ every stream parameter
 outside the GL blocks seen from the stream side ($E$, $W_{\mathrm{in}}$, $W_{\mathrm{out}}^\top$,
 $b^\top$), which transforms as $S \mapsto Q S Q^\top$ and is moved by no other symmetry once the
 folds before it are applied (a block's factors are moved by its GL element, which would change
 $S$). With $S = U \Lambda U^\top$ (eigenvalues ascending) and
-each axis' sign fixed by the sign of the third moment $\sum_k \sum_r (V_k u_j)_r^3 /
-\|V_k\|_F^3$, the canonical parameters $V_k U$ are the same for every point of the orbit. The
+each axis' sign fixed by the sign of the third moment $\sum_k \sum_r (V_k u_j)_r^3$, the
+canonical parameters $V_k U$ are the same for every point of the orbit. The parts share one
+scale, not one each: a part that is zero at the canonical point (a bias folded away) is zero
+only up to rounding, and scaled to unit norm it would decide the axes. The
 other choice, a rotation-invariant metric for the weights outside the blocks, would change
 adaptive sharpness' metric of those weights; the canonical basis keeps it, and costs one
 $d \times d$ eigendecomposition per call. Its price is conditioning: where two eigenvalues (or a
@@ -38,10 +42,11 @@ import torch
 from torch import nn
 
 from ...errors import ProbeWarning
-from ..linear import ReadQuery, linear_layer, readers_of, storage
+from ..linear import ReadQuery, readers_of, storage
 from ..norms import any_norm, is_norm, norm_bias, norm_offset, norm_weight
-from ..paths import feeds_only, reaches_only
+from ..paths import feeds_only, pooled_readers, reaches_only
 from ..records import Symmetries
+from ..stream import known_module, writer_params, writes_stream
 from ..symmetry import Fold, Scene, SymmetryFamily
 from .centring import CentringFold, ReaderCentringFold, centres
 from .free_norm import free_norm, width
@@ -65,24 +70,31 @@ class StreamPart:
     start: int = 0
     stop: int = -1
 
-    def view(self, params: Params) -> torch.Tensor:
-        """The `(rows, d)` stream-side view."""
-        t = params[self.param]
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` as `(rows, d)`: the stream axis last (a table, a class token, positions) or
+        first (a linear map's or a convolution's output axis, the rest flattened)."""
         if t.dim() == 1:
             return t.reshape(1, -1)
-        v = t if self.axis == 1 else t.transpose(0, 1)
-        stop = v.shape[0] if self.stop < 0 else self.stop
-        return v[self.start:stop]
+        if self.axis == t.dim() - 1:
+            return t.reshape(-1, t.shape[-1])
+        if self.axis == 0:
+            return t.reshape(t.shape[0], -1).T
+        raise ValueError(f"stream axis {self.axis} of a {t.dim()}-d parameter {self.param!r}: "
+                         "only the first or the last axis can be the stream's")
+
+    def view(self, params: Params) -> torch.Tensor:
+        """The `(rows, d)` stream-side view."""
+        v = self._rows(params[self.param])
+        return v[self.start:v.shape[0] if self.stop < 0 else self.stop]
 
     def write(self, params: dict, view: torch.Tensor) -> None:
         t = params[self.param]
-        if t.dim() == 1:
-            params[self.param] = view.reshape(t.shape).to(t.dtype)
-            return
-        v = t if self.axis == 1 else t.transpose(0, 1)
+        v = self._rows(t)
         stop = v.shape[0] if self.stop < 0 else self.stop
         new = v.slice_scatter(view.to(t.dtype), 0, self.start, stop)
-        params[self.param] = new if self.axis == 1 else new.transpose(0, 1)
+        if t.dim() > 1 and self.axis == 0:
+            new = new.T
+        params[self.param] = new.reshape(t.shape)
 
 
 def _ones_first_basis(d: int) -> torch.Tensor:
@@ -140,9 +152,9 @@ class RotationFold(Fold):
         dev = views[0].device if views else None
         S = torch.zeros(d, d, dtype=torch.float64, device=dev)
         for v in views:
-            n2 = float(v.pow(2).sum())
-            if n2 > 0:
-                S += v.T @ v / n2
+            S += v.T @ v
+        total = float(torch.diagonal(S).sum()) or 1.0  # sum of squares of every part
+        S /= total
         if self.centred:
             one = torch.full((d, 1), 1 / math.sqrt(d), dtype=torch.float64, device=dev)
             P = torch.eye(d, dtype=torch.float64, device=dev) - one @ one.T
@@ -152,10 +164,8 @@ class RotationFold(Fold):
         else:
             lam, U = torch.linalg.eigh(S)
         third = torch.zeros(U.shape[1], dtype=torch.float64, device=dev)
-        for v in views:
-            n = float(v.pow(2).sum().sqrt())
-            if n > 0:
-                third += ((v @ U) / n).pow(3).sum(0)
+        for v in views:  # one scale for all parts: a part that is zero up to rounding adds 0
+            third += ((v @ U) / math.sqrt(total)).pow(3).sum(0)
         U = U * torch.where(third < 0, -1.0, 1.0)
         scale = float(lam.abs().max()) or 1.0
         gaps = (lam[1:] - lam[:-1]).abs() / scale if lam.numel() > 1 else lam.new_ones(1)
@@ -221,17 +231,26 @@ class ResidualRotations(SymmetryFamily):
         p = scene.prober
         calls = p.parameterised_calls()
         tables = [m for m in p.modules.values() if isinstance(m, nn.Embedding)]
-        if not tables:
+        first = next((c for c in p.calls if is_norm(p.modules[c.name])
+                      or free_norm(p.modules[c.name])), None)
+        if tables:  # the stream's width
+            d = max(tables, key=lambda t: t.num_embeddings).embedding_dim
+        elif first is not None and (wd := width(first.out)) is not None:
+            d = wd  # no table (a vision model): the first norm's width
+        else:
             return
-        d = max(tables, key=lambda t: t.num_embeddings).embedding_dim  # the stream's width
         norms: dict[str, tuple] = {}
         for c in p.calls:
             m = p.modules[c.name]
             if (c.name in norms or not (is_norm(m) or free_norm(m))
                     or not isinstance(c.out, torch.Tensor) or width(c.out) != d):
                 continue
-            found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
-            if not found or not found[0] or not reaches_only(p, c.name, found[1]):
+            direct = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
+            pooled = direct is not None and not direct[0]
+            # read directly, or through a pooling that commutes with Q
+            found = pooled_readers(p, c.name, d, linear=True) if pooled else direct
+            if not found or not found[0] or not reaches_only(p, c.name, found[1],
+                                                              through=pooled):
                 return  # a norm that is not a pre-norm: the stream is read elsewhere
             norms[c.name] = (m, c, found[0])
         if not norms:
@@ -262,31 +281,23 @@ class ResidualRotations(SymmetryFamily):
             gauge.append(NormGainFold(name, w, b, offset, tuple(cons),
                                       "none" if b is None else "fold"))
         reader_names = {x.weight for x in readers.values()}
-        sources = [c.name for c in p.calls if c.name not in norms and (
-            isinstance(p.modules[c.name], nn.Embedding)
-            and p.modules[c.name].embedding_dim == d
-            or (lin := linear_layer(p.modules[c.name])) is not None and lin.out_features == d
-            and p.name(lin.weight) not in reader_names)]
+        sources = [c.name for c in p.calls if c.name not in norms and writes_stream(
+            p.modules[c.name], c.out[0] if isinstance(c.out, tuple) and c.out else c.out, {d})
+            and not {n for n, _ in writer_params(p, c.name, p.modules[c.name], d)}
+            & reader_names]
         feeds = feeds_only(p, sources, list(norms))
-        for name in dict.fromkeys(sources):
-            if not feeds[name]:
-                continue
-            m = p.modules[name]
-            if isinstance(m, nn.Embedding):
-                parts.append(StreamPart(p.name(m.weight), 1, True))
+        writers = [(n, writer_params(p, n, p.modules[n], d)) for n in dict.fromkeys(sources)
+                   if feeds[n]]
+        # tables of width d owned by a module that returns something else (timm's class token
+        # and positions on the model itself): stream writers too, if the probe agrees
+        writers += [(n, [(q, a) for q, a in own if p.params[q].dim() >= 2])
+                    for n, m in p.modules.items() if n not in sources and not known_module(m)
+                    and (own := writer_params(p, n, m, d))]
+        for name, params in writers:
+            for param, axis in params:
+                parts.append(StreamPart(param, axis, True))
                 if centred[0]:
-                    gauge.append(CentringFold(name, p.name(m.weight), 1))
-                continue
-            lin = linear_layer(m)
-            assert lin is not None
-            axis = 1 if lin.transposed else 0
-            parts.append(StreamPart(p.name(lin.weight), axis, True))
-            if centred[0]:
-                gauge.append(CentringFold(name, p.name(lin.weight), axis))
-            if lin.bias is not None:
-                parts.append(StreamPart(p.name(lin.bias), 0, True))
-                if centred[0]:
-                    gauge.append(CentringFold(name, p.name(lin.bias), 0))
+                    gauge.append(CentringFold(name, param, axis))
         if centred[0]:
             gauge += [ReaderCentringFold(name, x, "" if free_norm(m) else p.name(norm_weight(m)),
                                          None, 0.0)
