@@ -243,6 +243,10 @@ def test_audit_zoo(name):
     """The audit on every very small architecture: the claimed orbit directions are flat; the
     count is exact (a spectral gap)."""
     kw = {"inputs": torch_inputs()} if name.startswith("torch") else {}
+    if name == "bloom":  # its fused attention is an autograd.Function torch.func cannot take
+        with pytest.raises(qm.errors.UnsupportedModelError, match="setup_context"):
+            audit(ZOO[name](), **kw)
+        return
     r = audit(ZOO[name](), **kw)
     assert r.violation < 1e-10 and r.gap[0] > 1e4 * r.gap[1], r.to_dict()
 

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacfwd, jacrev
 
-from ..errors import ExampleInputError
+from ..errors import ExampleInputError, UnsupportedModelError
 from ..tree import leading_size, tree_map
 from .discovery import discover
 from .inputs import (
@@ -277,7 +277,16 @@ def _one(model: nn.Module, params: dict[str, torch.Tensor], names: Sequence[str]
     rows, target, previous = 0, 2 * P, -1
     while True:
         while rows < target:
-            J = _jacobian(model, params, names, draw(), kind).to(torch.float64)
+            try:
+                J = _jacobian(model, params, names, draw(), kind).to(torch.float64)
+            except RuntimeError as e:
+                if "functorch transforms" not in str(e):
+                    raise
+                raise UnsupportedModelError(
+                    "the audit differentiates the model with torch.func, and "
+                    f"{type(model).__name__} runs an autograd.Function without a setup_context "
+                    "(BLOOM's fused attention does); no flat directions can be counted for "
+                    "it. Audit a model whose forward pass torch.func can differentiate.") from e
             rows += J.shape[0]
             colmax = torch.maximum(colmax, J.abs().amax(dim=0))
             if V.shape[1]:
