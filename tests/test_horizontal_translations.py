@@ -172,6 +172,33 @@ def test_conjugate_gradients_agree_with_the_explicit_gram_matrices(tiny):
     assert float((cg.project(b, m) - b).norm()) <= 1e-10 * float(b.norm())
 
 
+def test_weights_read_by_slices_and_in_place_projection_agree(tiny):
+    """The space hands the constraint its 1/c^2 by slices (no stored vector of weights) and
+    projects the gradient in place: the same values as the stored weights and a copy."""
+    from quotient_manifolds.manifolds.constrained import SlicedInvC2
+
+    name, model, sym = tiny
+    geo = _geometry(model, sym, 1e-2)
+    space, tc = geo.adaptive_space, geo.translations
+    lazy = SlicedInvC2(space)
+    assert "inv_c2" not in space.__dict__ and "c2" not in space.__dict__
+    n = geo.w0.numel()
+    assert torch.equal(lazy[3:n - 2], space.inv_c2[3:n - 2])
+    u = torch.randn(geo.w0.shape, generator=torch.Generator().manual_seed(4),
+                    dtype=torch.float64)
+    a = tc.project(u, space.inv_c2)
+    b = TranslationConstraint(tc.folds, geo.base, geo.entries, n, geo.dtype).project(
+        u.clone(), SlicedInvC2(space), inplace=True)
+    assert float((a - b).norm()) <= 1e-12 * float(a.norm())
+    g = torch.randn(geo.w0.shape, generator=torch.Generator().manual_seed(5),
+                    dtype=torch.float64)
+    out = torch.empty_like(g)
+    r = space.egrad2rgrad(g, out=out)
+    assert r.data_ptr() == out.data_ptr()  # written into the caller's buffer
+    ref = tc.project(space.c2 * g, space.inv_c2, gradient=True)
+    assert float((r - ref).norm()) <= 1e-12 * float(ref.norm())
+
+
 class _Bound(torch.nn.Module):
     """`model` called with the parameters `params` (torch.func.functional_call)."""
 

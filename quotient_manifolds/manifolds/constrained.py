@@ -27,21 +27,43 @@ from typing import Protocol
 
 import torch
 
+from ..geometry import adaptive as am
 from .adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
 from .base import into
 
-__all__ = ["ConstrainedAdaptiveTangentSpace", "LinearConstraint"]
+__all__ = ["ConstrainedAdaptiveTangentSpace", "LinearConstraint", "SlicedInvC2"]
 
 
 class LinearConstraint(Protocol):
     """Orbit directions $V$ on a flat vector: `project(u, m)` is $\\Pi_V u$, orthogonal in
     $\\sum u v\\, m$ (`u` of shape `(..., D)`, `m` of shape `(D,)`, non-negative; entries with
-    `m = 0` are frozen and never moved). `gradient=True` says that `u` is the Riemannian
+    `m = 0` are frozen and never moved; `m` is a `SlicedInvC2` only for a constraint whose
+    `reads_slices` is true). `inplace=True` allows the result to be written into `u`.
+    `gradient=True` says that `u` is the Riemannian
     gradient of a loss invariant along the orbits: a constraint may then skip what it knows to
     be horizontal already."""
 
-    def project(self, u: torch.Tensor, m: torch.Tensor, gradient: bool = False
-                ) -> torch.Tensor: ...
+    def project(self, u: torch.Tensor, m: torch.Tensor | SlicedInvC2, gradient: bool = False,
+                inplace: bool = False) -> torch.Tensor: ...
+
+
+class SlicedInvC2:
+    r"""$1/c^2$ of a flat adaptive space, made slice by slice when it is read (`m[a:b]`), so
+    that a constraint which reads only the entries of its orbits keeps no vector of the
+    weights (a stored $c^2$ and $1/c^2$ were 8 B per entry of the ascent state); the values
+    are those of `inv_c2`."""
+
+    def __init__(self, space: AdaptiveTangentSpace) -> None:
+        self.space = space
+        self.dtype, self.device = space.dtype, space.w.device
+        self.shape = space.w.shape
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        sp = self.space
+        if "inv_c2" in sp.__dict__:
+            return sp.inv_c2[key]
+        inv = am.scale2(sp.w[key], sp.eps).reciprocal()
+        return inv.nan_to_num_(nan=0.0, posinf=0.0) if sp.frozen else inv
 
 
 class ConstrainedAdaptiveTangentSpace(AdaptiveTangentSpace):
@@ -66,9 +88,19 @@ class ConstrainedAdaptiveTangentSpace(AdaptiveTangentSpace):
         self.constraint = constraint
         self.invariant_gradients = invariant_gradients
         self._weights: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sliced: SlicedInvC2 | None = None
+
+    @property
+    def _m(self) -> torch.Tensor | SlicedInvC2:
+        """The metric's weights as the constraint reads them: by slices where it can."""
+        if self._flat and getattr(self.constraint, "reads_slices", False):
+            if self._sliced is None:
+                self._sliced = SlicedInvC2(self)
+            return self._sliced
+        return self.inv_c2
 
     def proju(self, u: torch.Tensor) -> torch.Tensor:
-        return self.constraint.project(super().proju(u), self.inv_c2)
+        return self.constraint.project(super().proju(u), self._m)
 
     def proju_weighted(self, u: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         if self._weights is None or self._weights[0] is not w2:  # one m per w2 (the cache
@@ -77,8 +109,13 @@ class ConstrainedAdaptiveTangentSpace(AdaptiveTangentSpace):
         return self.constraint.project(super().proju(u), self._weights[1])
 
     def egrad2rgrad(self, g: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        if g.dtype == self.dtype and getattr(self.constraint, "reads_slices", False):
+            # c² ⊙ ∇L chunk by chunk into `out` (or a fresh vector), then projected there
+            r = super().egrad2rgrad(g, out=out if out is not None else torch.empty_like(g))
+            return self.constraint.project(r, self._m, gradient=self.invariant_gradients,
+                                           inplace=True)
         r = super().egrad2rgrad(g)
-        r = self.constraint.project(r.to(self.dtype), self.inv_c2,
+        r = self.constraint.project(r.to(self.dtype), self._m,
                                     gradient=self.invariant_gradients)
         return into(r.to(g.dtype), out)
 

@@ -52,7 +52,11 @@ from typing import Any
 import torch
 
 from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
-from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace, LinearConstraint
+from ..manifolds.constrained import (
+    ConstrainedAdaptiveTangentSpace,
+    LinearConstraint,
+    SlicedInvC2,
+)
 from .families.centring import CentringFold, ReaderCentringFold
 from .families.embeddings import EmbeddingShiftFold
 from .families.norm_shift import NormShiftFold
@@ -150,10 +154,10 @@ class _Component:
             self.C = torch.cat([t.columns(self.n) for t in tangents])
         else:
             self.kind = "cg"
-        self._pre: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]] = {}
+        self._pre: dict[int, tuple[torch.Tensor | SlicedInvC2, Any]] = {}
         self._buffer: torch.Tensor | None = None
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
+    def gather(self, x: torch.Tensor | SlicedInvC2) -> torch.Tensor:
         """The component's vector of the flat vector `x` (a view where its spans are adjacent)."""
         if self.adjacent:
             return x[self.spans[0][0]:self.spans[-1][1]]
@@ -183,25 +187,30 @@ class _Component:
     def Vt(self, y: torch.Tensor) -> list[torch.Tensor]:
         return [t.adjoint(y) for t in self.tangents]
 
-    def _prepare(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _prepare(self, m: torch.Tensor | SlicedInvC2) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """`(m on the component's entries, m > 0 there, what a projection with the weights m
-        needs)`, kept for the last two `m` (a space alternates between its metric and a ball's
-        weights)."""
+        needs)`. The preconditioners are kept for the last two `m` (a space alternates between
+        its metric and a ball's weights); `m` on the entries is read again at every call (a
+        view where they are adjacent, else a slice-by-slice read), never stored: two cached
+        copies were 10 B per entry of the ascent state's peak."""
+        mi = self.gather(m)
+        live = mi > 0
         hit = self._pre.get(id(m))
         if hit is not None and hit[0] is m:
-            return hit[1], hit[2], hit[3]
-        mi = self.gather(m).to(self.dtype)
-        live = mi > 0
+            return mi, live, hit[1]
+        m64 = mi.to(self.dtype)  # the preconditioners are made in self.dtype, once per m
         if self.kind == "dense":
-            pre: Any = _restricted_pinv((self.C * mi) @ self.C.T, self.C[:, ~live])
+            pre: Any = _restricted_pinv((self.C * m64) @ self.C.T, self.C[:, ~live])
         else:
-            pre = [_fold_preconditioner(t, mi, live, self.n, self.dtype) for t in self.tangents]
+            pre = [_fold_preconditioner(t, m64, live, self.n, self.dtype) for t in self.tangents]
+        del m64
         if len(self._pre) >= 2:
             self._pre.pop(next(iter(self._pre)))
-        self._pre[id(m)] = (m, mi, live, pre)
+        self._pre[id(m)] = (m, pre)
         return mi, live, pre
 
-    def project(self, x: torch.Tensor, m: torch.Tensor, tol: float, max_iter: int) -> int:
+    def project(self, x: torch.Tensor, m: torch.Tensor | SlicedInvC2, tol: float,
+                max_iter: int) -> int:
         r"""`x` ← $\Pi_V x$ on this component's entries (in place); the iterations used."""
         mi, live, pre = self._prepare(m)
         z = self.gather(x)
@@ -340,9 +349,14 @@ class TranslationConstraint:
         the point)."""
         return [c for c in self.components if not (gradient and c.fixed)]
 
-    def project(self, u: torch.Tensor, m: torch.Tensor, gradient: bool = False
-                ) -> torch.Tensor:
-        r"""$\Pi_V u$, orthogonal in $\sum u v\, m$ (one projection per leading index).
+    #: reads `m` only by slices of its components (`m` may be a
+    #: [`SlicedInvC2`][quotient_manifolds.manifolds.constrained.SlicedInvC2])
+    reads_slices = True
+
+    def project(self, u: torch.Tensor, m: torch.Tensor | SlicedInvC2, gradient: bool = False,
+                inplace: bool = False) -> torch.Tensor:
+        r"""$\Pi_V u$, orthogonal in $\sum u v\, m$ (one projection per leading index); with
+        `inplace`, into `u` itself when it is contiguous.
 
         `gradient=True` says that `u` is $c^2 \odot \nabla L$ for a loss that is invariant
         along every orbit, taken at a point $w + \xi$ reached by the first-order retraction.
@@ -353,7 +367,8 @@ class TranslationConstraint:
         components = self.active(gradient)
         if not components:
             return u
-        x = u.clone(memory_format=torch.contiguous_format)  # components work in self.dtype
+        x = u if inplace and u.is_contiguous() else u.clone(
+            memory_format=torch.contiguous_format)
         rows = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.unsqueeze(0)
         self.iterations = 0
         for row in rows:

@@ -48,6 +48,7 @@ from torch import nn
 from ..errors import ShardedModelError
 from ..manifolds.adaptive import AdaptiveEuclidean, AdaptiveTangentSpace
 from ..manifolds.base import Generator, TangentSpace, standard_normal
+from ..manifolds.constrained import SlicedInvC2
 from ..manifolds.product import ProductTangentSpace
 from ..models.blocks import BlockSpec, gather_block
 from ..models.config import QuotientConfig
@@ -199,7 +200,8 @@ class ShardedConstraint:
         self.constraint, self.group = constraint, group
         self.counts = [b - a for a, b in (_share(total, r, size) for r in range(size))]
         self.lo, self.hi = _share(total, rank, size)
-        self._m: tuple[torch.Tensor, torch.Tensor] | None = None  # (this rank's m, whole m)
+        # (this rank's m, whole m)
+        self._m: tuple[torch.Tensor | SlicedInvC2, torch.Tensor] | None = None
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """The whole vectors `(..., total)` from every rank's slices `(..., hi - lo)`."""
@@ -212,19 +214,21 @@ class ShardedConstraint:
         whole = torch.cat([b[:, :n] for b, n in zip(bufs, self.counts, strict=True)], dim=1)
         return whole.reshape(*x.shape[:-1], whole.shape[-1])
 
-    def project(self, u: torch.Tensor, m: torch.Tensor, gradient: bool = False
-                ) -> torch.Tensor:
+    def project(self, u: torch.Tensor, m: torch.Tensor | SlicedInvC2, gradient: bool = False,
+                inplace: bool = False) -> torch.Tensor:
         r"""This rank's slice of $\Pi_V$ of the whole vector (not differentiable); nothing is
-        gathered when no component applies (`gradient`: see `TranslationConstraint.project`)."""
+        gathered when no component applies (`gradient`: see `TranslationConstraint.project`);
+        with `inplace`, written into `u`."""
         if not self.constraint.active(gradient):
             return u
         if torch.is_grad_enabled() and u.requires_grad:
             raise ShardedModelError("the sharded translation projection is not differentiable; "
                                     "call it under torch.no_grad() on a detached vector")
         if self._m is None or self._m[0] is not m:  # the constraint caches on the whole m
-            self._m = (m, self._gather(m))
-        whole = self.constraint.project(self._gather(u), self._m[1], gradient)
-        return whole[..., self.lo:self.hi]
+            self._m = (m, self._gather(m if isinstance(m, torch.Tensor) else m[:]))
+        whole = self.constraint.project(self._gather(u), self._m[1], gradient, inplace=True)
+        mine = whole[..., self.lo:self.hi]
+        return u.copy_(mine) if inplace else mine
 
 
 @dataclass
