@@ -57,6 +57,7 @@ bench-smoke: install
 	$(PY) benchmarks/manifold_ops.py --layers 1 --repeats 1
 	$(PY) benchmarks/exact_geodesic.py --quick
 	$(PY) benchmarks/gpu.py --quick
+	$(PY) benchmarks/constraint_memory.py --quick
 
 # The documentation site (mkdocs.yml): fails on any warning, e.g. a docstring that does not parse.
 docs: install
