@@ -268,6 +268,23 @@ def test_parallel_block_summed_biases_by_hand(name, attn, mlp):
     _check(model, moved, _data(), metrics=("inv", "mix"))
 
 
+def test_stablelm_key_offsets_on_unrotated_coordinates_by_hand():
+    """StableLM (partial rotary 0.5, head dim 4: coordinates 2 and 3 of each head unrotated,
+    no key bias): W_K rows 2, 3, 6, 7 + u_r (1 / gamma)^T, gamma the input norm's gain."""
+    model = ZOO["stablelm"]()
+    moved, P = _edit(model)
+    with torch.no_grad():
+        for i in range(2):
+            p = f"model.layers.{i}."
+            v = 1.0 / P[p + "input_layernorm.weight"]
+            W = P[p + "self_attn.k_proj.weight"]
+            for j, r in enumerate((2, 3, 6, 7)):
+                W[r] += float(_randn(1, seed=95 + 4 * i + j, scale=3.0)) * v
+    _check(model, moved, _data(), metrics=("inv", "mix"))
+    kinds = [f.kind for f in qm.discover(ZOO["llama"]()).folds]
+    assert "key_offset" not in kinds  # full rotary: nothing is left unrotated
+
+
 def test_sequential_blocks_claim_no_summed_biases():
     """BERT and OPT add their attention before a norm reads it: the probe rejects the pairs."""
     for name in ("bert", "opt"):

@@ -500,6 +500,16 @@ def summed_bias(ctx: Ctx, claim: Any) -> None:
     ctx.P[claim.zero].sub_(t.view(ctx.P[claim.zero].shape))
 
 
+def key_offset(ctx: Ctx, claim: Any) -> None:
+    r"""$W_K[r] + u_r (\mathbb 1 \oslash γ)^\top$ on the rows the claim names (the unrotated
+    key coordinates), γ the reading norm's gain (1 without one)."""
+    W = ctx.P[claim.weight]
+    v = (1.0 / ctx.P[claim.gain]) if claim.gain else torch.ones(W.shape[1], dtype=W.dtype)
+    u = ctx.randn(len(claim.rows), scale=SCALE)
+    for r, ur in zip(claim.rows, u, strict=True):
+        W[r] += ur * v
+
+
 def pad_shift(ctx: Ctx, claim: Any) -> None:
     r"""RoBERTa's padding pair: $(E_w[p] + s,\ E_o[p] - s)$ for the config's `pad_token_id`
     $p$ (the position ids count from $p$, so position $p$ is read exactly with token $p$)."""
@@ -680,6 +690,7 @@ CONSTRUCTIONS: dict[str, Construction] = {
     "fold key_bias [KeyBiasFold]": key_bias,
     "fold value_bias [ValueBiasFold]": value_bias,
     "fold summed_bias [SummedBiasFold]": summed_bias,
+    "fold key_offset [KeyOffsetFold]": key_offset,
     "fold centring [CentringFold]": translate_writer,
     "fold softmax_shift [SoftmaxShiftFold]": translate_writer,
     "fold embedding_shift [EmbeddingShiftFold]": embedding_shift,

@@ -14,6 +14,7 @@ from .bias import BiasTranslations, KeyBiasFold, ValueBiasFold
 from .centring import CentringFold, LayerNormCentring, ReaderCentringFold
 from .embeddings import EmbeddingShiftFold, EmbeddingShifts, PadShiftFold, TiedEmbeddingShiftFold
 from .input_shear import InputShears, ShearFold
+from .key_offset import KeyOffsetFold, KeyOffsets
 from .lora import LoRA
 from .mlp import Neurons
 from .norm_gain import NormGainFold, NormGains
@@ -51,6 +52,8 @@ __all__ = [
     "SummedBiases",
     "TiedEmbeddingShiftFold",
     "KeyBiasFold",
+    "KeyOffsetFold",
+    "KeyOffsets",
     "LoRA",
     "Neurons",
     "NormGainFold",
@@ -78,6 +81,7 @@ FAMILIES: list[SymmetryFamily] = [
     BiasTranslations(),
     LayerNormCentring(),
     SummedBiases(),
+    KeyOffsets(),
     EmbeddingShifts(),
     TokenShifts(),
     SoftmaxShift(),
