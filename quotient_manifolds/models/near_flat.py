@@ -56,7 +56,7 @@ from .norms import is_norm, norm_bias, norm_weight
 from .paths import feeds_only
 from .precision import float64_internals, no_fastpath
 from .prober import Prober, output_tensors, relative_change
-from .stream import writer_params, writes_stream
+from .stream import norm_readers, writer_params, writes_stream
 
 __all__ = ["NearFlat", "RowNearFlat", "StreamNearFlat", "near_flat"]
 
@@ -313,12 +313,7 @@ def _stream(p: Prober, params: Params) -> list[NearFlat]:
         return []
     d = max(set(widths), key=widths.count)
     stream = {n: m for n, m in norms.items() if norm_weight(m).numel() == d}
-    calls = p.parameterised_calls()
-    readers = set()  # the norms' linear readers (q/k/v, an MLP's input): no writers
-    for c in p.calls:
-        if c.name in stream and isinstance(c.out, torch.Tensor):
-            found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
-            readers |= {x.weight for x in (found[0] if found else ())}
+    readers = norm_readers(p, set(stream), d)
     sources = list(dict.fromkeys(
         c.name for c in p.calls if c.name not in stream and writes_stream(
             p.modules[c.name], _first(c.out), {d}) and not {

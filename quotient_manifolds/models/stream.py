@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .linear import linear_layer
+from .linear import ReadQuery, linear_layer, readers_of, storage
 from .norms import is_norm
 from .prober import Prober
 
-__all__ = ["known_module", "writer_params", "writes_stream"]
+__all__ = ["known_module", "norm_readers", "writer_params", "writes_stream"]
 
 
 def known_module(m: nn.Module) -> bool:
@@ -66,4 +66,16 @@ def writer_params(p: Prober, name: str, m: nn.Module, d: int) -> list[tuple[str,
     out = [(p.name(lin.weight), 1 if lin.transposed else 0)]
     if lin.bias is not None:
         out.append((p.name(lin.bias), 0))
+    return out
+
+
+def norm_readers(p: Prober, norms: set[str], d: int) -> set[str]:
+    """The weights of the linear maps that read the width-`d` output of a module of `norms`
+    directly (q/k/v, an MLP's input): readers of the stream, never its writers."""
+    calls = p.parameterised_calls()
+    out: set[str] = set()
+    for c in p.calls:
+        if c.name in norms and isinstance(c.out, torch.Tensor):
+            found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
+            out |= {x.weight for x in (found[0] if found else ())}
     return out

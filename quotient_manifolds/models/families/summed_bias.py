@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..linear import ReadQuery, linear_layer, readers_of, storage
+from ..linear import linear_layer
 from ..norms import is_norm, norm_weight
+from ..stream import norm_readers
 from ..symmetry import Fold, Scene, SymmetryFamily, random_normal, rms
 
 __all__ = ["SummedBiasFold", "SummedBiases"]
@@ -93,12 +94,7 @@ class SummedBiases(SymmetryFamily):
         if not widths:
             return
         d = max(set(widths), key=widths.count)
-        calls = p.parameterised_calls()
-        readers: set[str] = set()  # maps reading a norm (q/k/v, an MLP's input)
-        for c in norms:
-            if isinstance(c.out, torch.Tensor):
-                found = readers_of(calls, ReadQuery(storage(c.out), d, p.name, p.pname))
-                readers |= {x.weight for x in (found[0] if found else ())}
+        readers = norm_readers(p, {c.name for c in norms}, d)
         writers: list[tuple[str, str]] = []
         for c in p.calls:
             lin = linear_layer(p.modules[c.name])
