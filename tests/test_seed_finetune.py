@@ -170,6 +170,45 @@ def test_pipelined_run_keeps_records_apart_and_resumes_without_weights(tmp_path,
     assert len(third["members"]) == 3
 
 
+def test_pipelined_run_leaves_a_member_another_process_holds_for_last(tmp_path, monkeypatch):
+    import threading
+
+    from quotient_manifolds.experiments import PopulationStore
+    from quotient_manifolds.experiments import seed_finetune as sf
+
+    out, weights = tmp_path / "records", tmp_path / "weights"
+    ids = sf.EXPERIMENT.member_ids(sf.EXPERIMENT.hypers(True), sf.EXPERIMENT.training(True))
+    store = PopulationStore(out, sf.EXPERIMENT.name, weights_root=weights)
+    held, release = threading.Event(), threading.Event()
+
+    def other_process():  # flock locks of two open files conflict, even in one process
+        with store.claim(ids[0]) as got:
+            assert got
+            held.set()
+            release.wait(600)
+
+    holder = threading.Thread(target=other_process)
+    holder.start()
+    held.wait(60)
+    trained = []
+    real = sf.EXPERIMENT.train
+
+    def counting(ctx, hyper, quick):
+        trained.append(hyper["seed"])
+        if hyper["seed"] == 2:
+            release.set()
+        return real(ctx, hyper, quick)
+
+    monkeypatch.setattr(sf.EXPERIMENT, "train", counting)
+    try:
+        res = sf.run(out, quick=True, progress=False, weights=weights)
+    finally:
+        release.set()
+        holder.join()
+    assert trained == [1, 2, 0]
+    assert [m["id"] for m in res["members"]] == ids
+
+
 def test_weights_folder_only_for_experiments_that_take_it(tmp_path, capsys):
     from quotient_manifolds.cli import main
 

@@ -16,16 +16,22 @@ while the weights stay on a scratch disk.
 Every file is written to a temporary name in the same folder and moved into place with
 ``os.replace``, so a crash or Ctrl-C never leaves a half-written file, and a re-run
 skips every member (and every measure) that is already on disk.
+
+Several processes may work on one population at once: `PopulationStore.claim` takes an
+advisory lock on a member (``fcntl.flock``, released by the kernel when its holder exits, even
+if killed), so each process trains and measures the members no other one holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -148,6 +154,25 @@ class PopulationStore:
     def load_meta(self, member_id: str) -> dict:
         """Only the metadata of ``member_id``."""
         return json.loads((self.members_dir / f"{member_id}.json").read_text())
+
+    @contextlib.contextmanager
+    def claim(self, member_id: str, *, wait: bool = True) -> Iterator[bool]:
+        """Hold the lock of ``member_id`` for the ``with`` block; yields whether it was taken.
+
+        With ``wait=False`` it yields ``False`` at once when another process holds the lock,
+        with ``wait=True`` it blocks until that process is done (or has died).
+        """
+        path = self.weights_dir / f".{member_id}.lock"
+        with open(path, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     # -- measures ------------------------------------------------------------------
     def load_measures(self, member_id: str, protocol: str) -> dict:

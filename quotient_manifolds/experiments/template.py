@@ -196,20 +196,28 @@ class PopulationExperiment:
                            mhash: str, quick: bool, progress: bool,
                            ) -> tuple[PopulationStore, list[Member], Any]:
         """The pipelined steps 3–5: each member trained (unless its records are complete),
-        then measured, before the next."""
+        then measured, before the next. Members that another process holds
+        (`PopulationStore.claim`) are skipped at first and waited for at the end."""
         store = PopulationStore(out, self.name, weights_root=weights)
         ctx = self.prepare(store, quick)
         hypers = self.hypers(quick)
         ids = self.member_ids(hypers, self.training(quick), self.labels(quick))
-        members = []
-        for mid, h in zip(ids, hypers, strict=True):
-            m = Member(mid, h, store.load_meta(mid)) if store.has_meta(mid) else None
-            done = m is not None and (not self.keep(m, quick)
-                                      or self.measured(store, m, mhash, quick))
-            if not done and not store.has_member(mid):
-                store.save_member(mid, *self.train(ctx, dict(h), quick))
-            m = Member(mid, h, store.load_meta(mid))
-            if not done and self.keep(m, quick):
-                self.measure(ctx, store, [m], mhash, quick, progress)
-            members.append(m)
+
+        def complete(mid: str, h: dict, wait: bool) -> Member | None:
+            with store.claim(mid, wait=wait) as held:
+                if not held:
+                    return None
+                m = Member(mid, h, store.load_meta(mid)) if store.has_meta(mid) else None
+                done = m is not None and (not self.keep(m, quick)
+                                          or self.measured(store, m, mhash, quick))
+                if not done and not store.has_member(mid):
+                    store.save_member(mid, *self.train(ctx, dict(h), quick))
+                m = Member(mid, h, store.load_meta(mid))
+                if not done and self.keep(m, quick):
+                    self.measure(ctx, store, [m], mhash, quick, progress)
+                return m
+
+        found = {mid: complete(mid, h, wait=False) for mid, h in zip(ids, hypers, strict=True)}
+        members = [found[mid] or complete(mid, h, wait=True)
+                   for mid, h in zip(ids, hypers, strict=True)]
         return store, members, ctx
