@@ -78,7 +78,8 @@ def _both(model: nn.Module, loss_fn, batch, geometry: qm.Geometry, momentum_form
 
 MEASURES = ["adaptive", "adaptive-linf", "adaptive-metric", "geodesic-inv", "geodesic-mix",
             "geodesic-inv-first-order", "geodesic-mix-first-order", "geodesic-inv-adaptive-norm",
-            "geodesic-mix-adaptive-norm", "geodesic-inv-full", "geodesic-mix-full"]
+            "geodesic-mix-adaptive-norm", "geodesic-inv-full", "geodesic-mix-full",
+            "geodesic-inv-complete", "geodesic-mix-complete"]
 
 
 @pytest.mark.parametrize("name", MEASURES)
@@ -90,6 +91,8 @@ def test_same_iterates_as_full_packing(bert: nn.Module, name: str) -> None:
     kept = {geo.entries[i].name: r for i, r in act.layout.rows.items()}
     word = "bert.embeddings.word_embeddings.weight"
     assert set(kept[word].tolist()) == set(batch["input_ids"].unique().tolist())
+    if name.endswith("-complete"):  # horizontal to the translation orbits on the active rows
+        assert geo.translations is not None and geo.translations.active(gradient=True)
     assert len(res.losses) == len(full.losses) == N_ITER
     torch.testing.assert_close(torch.stack(res.losses), torch.stack(full.losses),
                                rtol=1e-12, atol=1e-12)
@@ -204,3 +207,33 @@ def test_rows_coming_alive_are_added(name: str) -> None:
     assert 4 < grown.numel() < 64  # 4 units alive at w, a few of the 8 just dead woke up
     assert abs(float(res.best_loss) - float(full.best_loss)) <= 1e-12
     torch.testing.assert_close(xi, full.best_xi, rtol=0, atol=1e-12)
+
+
+def test_full_packing_vectors_are_freed_once_the_rows_are_restricted(bert: nn.Module) -> None:
+    """After the first call has chosen the rows, no vector of the full packing is kept alive
+    for the rest of the ascent (a loop variable once kept the zero start: 4 B per parameter)."""
+    import weakref
+
+    geo, feasible, prob, base = _problem(bert, hf_loss, _bert_data(1)[0],
+                                         qm.MEASURES["geodesic-inv-complete"].geometry)
+    act = prob.active(feasible)
+    assert act is not None
+    starts: list[weakref.ref] = []
+    zeros = feasible.zeros
+
+    def recorded():
+        z = zeros()
+        starts.append(weakref.ref(z))
+        return z
+
+    feasible.zeros = recorded  # type: ignore[method-assign]
+    alive_later: list[bool] = []
+
+    def objective(xi):
+        if act.layout is not None:
+            alive_later.append(starts[0]() is not None)
+        return act(xi)
+
+    apgd(objective, feasible, base, n_iter=4, layout=act)
+    assert act.layout is not None and len(starts) == 1
+    assert alive_later == [False, False, False]

@@ -119,6 +119,16 @@ def select_rows(cond: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.T
     return torch.where(cond.unsqueeze(-1), a, b)
 
 
+def _convert(layout: Layout, vs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The vectors `vs` in the layout's new packing; aliases stay aliases. (A function of its
+    own: a loop variable of `apgd` would keep the last old vector alive for the whole call.)"""
+    conv: dict[int, torch.Tensor] = {}
+    for v in vs:
+        if id(v) not in conv:
+            conv[id(v)] = layout.convert(v)
+    return [conv[id(v)] for v in vs]
+
+
 def apgd(
     objective: Objective,
     feasible: FeasibleSet,
@@ -185,12 +195,8 @@ def apgd(
         loss, grad = objective(xi)
         if layout is not None and layout.version != version:  # a new packing of ξ
             version, feasible = layout.version, layout.feasible
-            conv: dict[int, torch.Tensor] = {}  # aliases stay aliases
-            for t in (xi, xi_prev, res.best_xi):
-                if id(t) not in conv:
-                    conv[id(t)] = layout.convert(t)
-            xi, xi_prev, res.best_xi = (conv[id(t)] for t in (xi, xi_prev, res.best_xi))
-            bufs = _Buffers(*conv.values())
+            xi, xi_prev, res.best_xi = _convert(layout, (xi, xi_prev, res.best_xi))
+            bufs = _Buffers(*{id(t): t for t in (xi, xi_prev, res.best_xi)}.values())
         loss = loss.detach().to(torch.float64).to(dev)
         res.losses.append(loss)
         res.steps.append(eta)
