@@ -218,6 +218,7 @@ class PopulationExperiment:
                 return m
 
         found = {mid: complete(mid, h, wait=False) for mid, h in zip(ids, hypers, strict=True)}
-        members = [found[mid] or complete(mid, h, wait=True)
-                   for mid, h in zip(ids, hypers, strict=True)]
+        for mid, h in zip(ids, hypers, strict=True):
+            found[mid] = found[mid] or complete(mid, h, wait=True)
+        members = [m for m in found.values() if m is not None]  # all of them, in order
         return store, members, ctx

@@ -55,6 +55,8 @@ from ..errors import (
     ZeroWeightError,
 )
 from ..manifolds import GLQuotient
+from ..manifolds.adaptive import AdaptiveTangentSpace
+from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace
 from ..manifolds.gl_quotient import GLTangentSpace
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
@@ -62,7 +64,7 @@ from .cache import discovery_cache
 from .config import QuotientConfig
 from .records import Fallback, Symmetries
 from .row_layout import RowLayout
-from .translations import adaptive_space, horizontal_translations
+from .translations import RowsConstraint, adaptive_space, horizontal_translations
 
 __all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "HALF_DTYPES",
            "ParamSelection", "select_parameters"]
@@ -567,9 +569,21 @@ class ModelGeometry:
     def row_layout(self, grads: Sequence[torch.Tensor | None], *, max_fraction: float = 0.5,
                    min_saving: float = 0.125) -> RowLayout | None:
         """[`RowLayout.from_gradients`][quotient_manifolds.models.row_layout.RowLayout.from_gradients]
-        of this geometry; `None` with translation orbits (an embedding shift couples the rows)."""
-        return None if self.translations is not None else RowLayout.from_gradients(
-            self, grads, max_fraction=max_fraction, min_saving=min_saving)
+        of this geometry. With translation orbits, the entries of the components that apply to
+        gradients (`RowsConstraint.local`) are kept whole; the others (centrings, table
+        shifts: an embedding shift couples the rows) are horizontal for every gradient."""
+        whole = () if self.translations is None else RowsConstraint.local(self.translations)
+        return RowLayout.from_gradients(self, grads, max_fraction=max_fraction,
+                                        min_saving=min_saving, whole=whole)
+
+    def layout_adaptive_space(self, layout: RowLayout) -> AdaptiveTangentSpace:
+        """The adaptive tangent space of a row layout: at its kept weights, horizontal to the
+        translation orbits on its whole entries (`RowsConstraint`)."""
+        if self.translations is None:
+            return self.adaptive.at(layout.w0)
+        return ConstrainedAdaptiveTangentSpace(
+            self.adaptive, layout.w0, RowsConstraint(self.translations, layout.shifts),
+            invariant_gradients=True)
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Points of an arbitrary parameter dict, one per factor (the inverse of `to_params`)."""

@@ -36,6 +36,8 @@ class PackedGeometry(Protocol):
     dtype: torch.dtype
     kinds: list
 
+    def layout_adaptive_space(self, layout: RowLayout) -> Any: ...
+
 
 def _row_shape(t: torch.Tensor) -> tuple[int, int]:
     """`(rows, row size)` of a parameter: slices along dim 0 (a 1-D parameter is one row)."""
@@ -133,13 +135,13 @@ class RowLayout:
         self.whole, self.parts = whole, parts
         self.D = self.nb + pos
         self.w0 = self._take_adaptive(geo.w0, geo.w0.new_empty(pos))
-        spaces = [*geo.space.spaces[:-1], geo.adaptive.at(self.w0)]
+        spaces = [*geo.space.spaces[:-1], geo.layout_adaptive_space(self)]
         self.space = ProductTangentSpace(spaces, (), geo.space.labels, geo.kinds)
 
     @classmethod
     def from_gradients(cls, geo: PackedGeometry, grads: Sequence[torch.Tensor | None], *,
-                       max_fraction: float = 0.5, min_saving: float = 0.125
-                       ) -> RowLayout | None:
+                       max_fraction: float = 0.5, min_saving: float = 0.125,
+                       whole: Sequence[tuple[int, int]] = ()) -> RowLayout | None:
         """The layout that keeps, of every whole-parameter adaptive entry, only the rows whose
         gradient in `grads` is not identically zero, where at most `max_fraction` of the rows
         are kept; `None` if it would drop less than `min_saving` of the entries of a tangent
@@ -149,14 +151,16 @@ class RowLayout:
         [`params_and_leaves`][quotient_manifolds.models.model_geometry.ModelGeometry.params_and_leaves]
         (full packing; `None`: zero). Rows are slices along dim 0 (a 1-D parameter is one row;
         NaN counts as non-zero). An embedding whose batch reads few tokens is the typical case:
-        the rows of the other tokens have zero gradient.
+        the rows of the other tokens have zero gradient. The entries that meet a span of
+        `whole` (flat adaptive positions) are kept whole.
         """
         if geo.geometry.adaptive_retraction != "first_order":
             return None
         rows: dict[int, torch.Tensor] = {}
         dropped = 0
         for i, e in enumerate(geo.entries):
-            if e.index is not None or e.stop == e.start:
+            if e.index is not None or e.stop == e.start or any(
+                    a < e.stop and e.start < b for a, b in whole):
                 continue
             R, C = _row_shape(geo.base[e.name])
             g = grads[len(geo.groups) + i]
@@ -169,6 +173,12 @@ class RowLayout:
         if not rows or dropped < min_saving * geo.D:
             return None
         return cls(geo, rows)
+
+    @property
+    def shifts(self) -> list[tuple[int, int, int]]:
+        """`(start, stop, offset)` of each run of whole entries: the flat adaptive positions
+        `[start, stop)` sit at `position + offset` in this layout's adaptive part."""
+        return [(w.full.start, w.full.stop, w.part.start - w.full.start) for w in self.whole]
 
     @property
     def kept(self) -> int:

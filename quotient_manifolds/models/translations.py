@@ -64,8 +64,8 @@ from .families.rotation import RotationFold
 from .fold_tangents import FoldTangent
 from .symmetry import Fold
 
-__all__ = ["TRANSLATIONS", "TranslationConstraint", "adaptive_space", "horizontal_translations",
-           "translation_folds"]
+__all__ = ["RowsConstraint", "TRANSLATIONS", "TranslationConstraint", "adaptive_space",
+           "horizontal_translations", "translation_folds"]
 
 TRANSLATIONS = (CentringFold, ReaderCentringFold, NormShiftFold, EmbeddingShiftFold)
 """The translation folds whose orbits the perturbations are made horizontal to (the softmax
@@ -154,16 +154,16 @@ class _Component:
             self.C = torch.cat([t.columns(self.n) for t in tangents])
         else:
             self.kind = "cg"
-        self._pre: dict[int, tuple[torch.Tensor | SlicedInvC2, Any]] = {}
+        self._pre: dict[int, tuple[torch.Tensor | SlicedInvC2 | _Shifted, Any]] = {}
         self._buffer: torch.Tensor | None = None
 
-    def gather(self, x: torch.Tensor | SlicedInvC2) -> torch.Tensor:
+    def gather(self, x: torch.Tensor | SlicedInvC2 | _Shifted) -> torch.Tensor:
         """The component's vector of the flat vector `x` (a view where its spans are adjacent)."""
         if self.adjacent:
             return x[self.spans[0][0]:self.spans[-1][1]]
         return torch.cat([x[a:b] for a, b in self.spans])
 
-    def scatter(self, z: torch.Tensor, x: torch.Tensor) -> None:
+    def scatter(self, z: torch.Tensor, x: torch.Tensor | _Shifted) -> None:
         """Write the component's vector `z` back into `x` (in `x`'s dtype)."""
         if self.adjacent:
             x[self.spans[0][0]:self.spans[-1][1]] = z
@@ -187,7 +187,8 @@ class _Component:
     def Vt(self, y: torch.Tensor) -> list[torch.Tensor]:
         return [t.adjoint(y) for t in self.tangents]
 
-    def _prepare(self, m: torch.Tensor | SlicedInvC2) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def _prepare(self, m: torch.Tensor | SlicedInvC2 | _Shifted
+                 ) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """`(m on the component's entries, m > 0 there, what a projection with the weights m
         needs)`. The preconditioners are kept for the last two `m` (a space alternates between
         its metric and a ball's weights); `m` on the entries is read again at every call (a
@@ -209,8 +210,8 @@ class _Component:
         self._pre[id(m)] = (m, pre)
         return mi, live, pre
 
-    def project(self, x: torch.Tensor, m: torch.Tensor | SlicedInvC2, tol: float,
-                max_iter: int) -> int:
+    def project(self, x: torch.Tensor | _Shifted, m: torch.Tensor | SlicedInvC2 | _Shifted,
+                tol: float, max_iter: int) -> int:
         r"""`x` ← $\Pi_V x$ on this component's entries (in place); the iterations used."""
         mi, live, pre = self._prepare(m)
         z = self.gather(x)
@@ -221,11 +222,11 @@ class _Component:
             z -= self.C.T @ (pre @ (self.C @ (mi * z)))
         elif self.kind == "diag":
             t = [pre[0][1] * self.tangents[0].adjoint(mi * z)]
-            z -= self.V(t) * live
+            z -= self.V(t).mul_(live)  # V(t) is a buffer overwritten by the next call
         else:
             t, iters = _pcg(self, mi, z, pre, tol, max_iter)
             if iters:  # none: horizontal already, to rounding
-                z -= self.V(t) * live
+                z -= self.V(t).mul_(live)  # V(t) is a buffer overwritten by the next call
         if not own:
             self.scatter(z, x)
         return iters
@@ -375,6 +376,81 @@ class TranslationConstraint:
             for c in components:
                 self.iterations = max(self.iterations,
                                       c.project(row, m, self.tol, self.max_iter))
+        return x
+
+
+class _Shifted:
+    """A vector of a row layout read and written at the positions of the full adaptive vector,
+    for spans inside entries the layout keeps whole (`shifts`: `(full start, full stop, offset
+    of the layout's position)` of each run of whole entries)."""
+
+    def __init__(self, x: Any, shifts: Sequence[tuple[int, int, int]]) -> None:
+        self.x, self.shifts = x, shifts
+        self.dtype = x.dtype
+
+    def _key(self, key: slice) -> slice:
+        for a, b, d in self.shifts:
+            if a <= key.start and key.stop <= b:
+                return slice(key.start + d, key.stop + d)
+        raise RuntimeError(f"entries [{key.start}, {key.stop}) are not kept whole by the row "
+                           "layout (RowsConstraint needs every component it applies there)")
+
+    def __getitem__(self, key: slice) -> torch.Tensor:
+        return self.x[self._key(key)]
+
+    def __setitem__(self, key: slice, value: torch.Tensor) -> None:
+        self.x[self._key(key)] = value
+
+
+class RowsConstraint:
+    r"""A [`TranslationConstraint`][quotient_manifolds.models.translations.TranslationConstraint]
+    on the adaptive part of a vector of a
+    [`RowLayout`][quotient_manifolds.models.row_layout.RowLayout].
+
+    Only the components that apply to gradients (`active(gradient=True)`: those whose $V$
+    depends on the point) are applied, and they must lie in entries the layout keeps whole
+    (`local`); the others are skipped for a gradient of an invariant loss, as on the full
+    vector, and a projection of any other vector raises. That is all the ascent on active rows
+    asks of it: the iterates are those of the full packing, and a zero row stays zero."""
+
+    reads_slices = True
+
+    def __init__(self, constraint: TranslationConstraint, shifts: Sequence[tuple[int, int, int]]
+                 ) -> None:
+        self.constraint, self.shifts = constraint, list(shifts)
+        self._m: list[tuple[Any, _Shifted]] = []  # one wrapper per m: the components cache on it
+
+    @staticmethod
+    def local(constraint: TranslationConstraint) -> list[tuple[int, int]]:
+        """The full-vector spans of the components applied to gradients."""
+        return [span for c in constraint.active(gradient=True) for span in c.spans]
+
+    def _wrapped(self, m: Any) -> _Shifted:
+        for mm, w in self._m:
+            if mm is m:
+                return w
+        w = _Shifted(m, self.shifts)
+        self._m = [*self._m[-1:], (m, w)]
+        return w
+
+    def project(self, u: torch.Tensor, m: torch.Tensor | SlicedInvC2, gradient: bool = False,
+                inplace: bool = False) -> torch.Tensor:
+        r"""$\Pi_V u$ of a gradient `u` (1-D) in the layout's adaptive packing."""
+        tc = self.constraint
+        if not gradient:
+            if tc.active():
+                raise RuntimeError("a row layout's adaptive space projects gradients only")
+            return u
+        components = tc.active(gradient=True)
+        if not components:
+            return u
+        if u.dim() != 1:
+            raise RuntimeError("a row layout holds a single problem (a 1-D vector)")
+        x = u if inplace and u.is_contiguous() else u.clone()
+        xs, ms = _Shifted(x, self.shifts), self._wrapped(m)
+        tc.iterations = 0
+        for c in components:
+            tc.iterations = max(tc.iterations, c.project(xs, ms, tc.tol, tc.max_iter))
         return x
 
 

@@ -285,6 +285,9 @@ class _BatchProblem:
         if (self.geo.geometry.adaptive_retraction != "first_order" or feasible.problems
                 or type(feasible) not in _ROW_SETS):
             return None
+        if self.geo.translations is not None and type(feasible) is AdaptiveNormBall:
+            return None  # its projection applies every translation component, not only
+            # those of gradients (RowsConstraint)
         return _ActiveRows(self, feasible)
 
 
@@ -319,7 +322,11 @@ class _ActiveRows:
       $y / (1 + \lambda b)$ (0 where $y$ is 0; the bisection for $\lambda$ evaluates norms
       to which 0 entries add nothing), clipping to the box, and `clip_to_domain` (the
       identity on adaptive entries);
-    * the momentum steps and restarts (combinations of iterates).
+    * the momentum steps and restarts (combinations of iterates);
+    * with translation orbits (the complete group), the horizontal projection of the gradient:
+      the components whose $V$ is the same at every point are skipped for every gradient (in
+      the full packing too), and the others lie on entries kept whole
+      ([`RowsConstraint`][quotient_manifolds.models.translations.RowsConstraint]).
 
     The GL blocks are kept whole, so their retraction (first order, second order or exact) and
     metric (`inv`, `mix`) do not matter; the adaptive entries are perturbed by $w + \xi$, so a
