@@ -152,6 +152,13 @@ def test_projection_idempotent_and_self_adjoint_in_the_metric(tiny):
     # a batch of problems is projected row by row
     both = space.proju(torch.stack([u, v]))
     assert torch.allclose(both, torch.stack([pu, pv]), rtol=0, atol=1e-14 * float(u.abs().max()))
+    # the distance from the horizontal space, factor by factor, is that of the whole vector
+    x = torch.randn(geo.space.D, generator=gen, dtype=torch.float64)
+    x0 = x.clone()
+    whole = float(geo.space.norm(geo.space.proju(x) - x))
+    assert whole > 0.01 * float(geo.space.norm(x))
+    assert float(geo.space.vertical_norm2(x).sqrt()) == pytest.approx(whole, rel=1e-12)
+    assert torch.equal(x, x0)  # not written into
 
 
 def test_conjugate_gradients_agree_with_the_explicit_gram_matrices(tiny):

@@ -127,6 +127,17 @@ class ProductTangentSpace:
         r"""$\|u\|$, shape `(*problems)`."""
         return self.inner(u).clamp_min(0).sqrt()
 
+    def vertical_norm2(self, u: torch.Tensor) -> torch.Tensor:
+        r"""$\|\Pi u - u\|^2$ (the squared distance of `u` from the horizontal space), factor by
+        factor: one factor's vector at a time, never one of the whole length."""
+        total = torch.zeros(self.problems, dtype=u.dtype, device=u.device)
+        for s, a in zip(self.spaces, self.split(u), strict=True):
+            d = s.proju(a)
+            own = d.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+            d = d.sub_(a) if own else d - a
+            total = total + self._to_problems(s.inner(d))
+        return total
+
     # -- projections, gradients, retractions ----------------------------------------
     def proju(self, u: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         r"""The metric-orthogonal horizontal projection, factor by factor (into `out`, which

@@ -276,15 +276,17 @@ def _pcg(comp: _Component, m: torch.Tensor, x: torch.Tensor, pre: list, tol: flo
 
     mx = m * x
     b = comp.Vt(mx)
+    mxx = float(mx @ x)
+    del mx  # a vector of the component's size: not kept through the iterations
     z = precondition(b)
     rz0 = rz = dot(b, z)
     t = [torch.zeros_like(bi) for bi in b]
-    if rz0 <= (1e3 * torch.finfo(x.dtype).eps) ** 2 * float(mx @ x):
+    if rz0 <= (1e3 * torch.finfo(x.dtype).eps) ** 2 * mxx:
         return t, 0  # horizontal already, to rounding
     r, d, it = b, z, 0
     while it < max_iter:
         it += 1
-        Ad = comp.Vt(m * comp.V(d))
+        Ad = comp.Vt(comp.V(d).mul_(m))  # V's buffer is overwritten by its next call
         dAd = dot(d, Ad)
         if dAd <= 0:
             break

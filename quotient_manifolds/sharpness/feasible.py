@@ -122,6 +122,12 @@ class FeasibleSet:
         """The set's norm of `xi` (the set is `norm(xi) <= rho`), one value per problem."""
         raise NotImplementedError
 
+    def horizontal_distance(self, xi: torch.Tensor) -> torch.Tensor:
+        """`norm(proju(xi) - xi)`: how far `xi` is from the horizontal space, per problem."""
+        moved = self.proju(xi)  # minus ξ, in place where it is a vector of its own
+        own = moved.untyped_storage().data_ptr() != xi.untyped_storage().data_ptr()
+        return self.norm(moved.sub_(xi) if own else moved - xi)
+
     def norms(self, xi: torch.Tensor) -> dict[str, torch.Tensor]:
         """The set's norm of `xi` split into its parts (`"total"` and, where the norm is a sum
         of squares, one entry per part label, e.g. `"blocks"`, `"adaptive"`)."""
@@ -304,6 +310,11 @@ class MetricBall(_HorizontalBall):
 
     def _proj(self, u: torch.Tensor) -> torch.Tensor:
         return self.space.proju(u)
+
+    def horizontal_distance(self, xi: torch.Tensor) -> torch.Tensor:
+        if self.mask is not None:
+            return super().horizontal_distance(xi)
+        return self.space.vertical_norm2(xi).clamp_min(0).sqrt()  # no vector of size D
 
     def rgrad(self, egrad: torch.Tensor) -> torch.Tensor:
         return self._masked(self.space.egrad2rgrad(self._masked(egrad)))

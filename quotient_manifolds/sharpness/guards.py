@@ -192,10 +192,7 @@ def check_feasible(feasible: FeasibleSet, xi: torch.Tensor, batch: int) -> None:
     tol = 1e-6 if xi.dtype == torch.float64 else 1e-3
     with torch.no_grad():
         nrm = float(feasible.norm(xi).max())
-        moved = feasible.proju(xi)  # minus ξ, in place where it is a vector of its own
-        own = moved.untyped_storage().data_ptr() != xi.untyped_storage().data_ptr()
-        off = float(feasible.norm(moved.sub_(xi) if own else moved - xi).max())
-        del moved
+        off = float(feasible.horizontal_distance(xi).max())
     if nrm <= rho * (1 + tol) and off <= tol * rho:
         return
     what = (f"its norm is {nrm:.6g} = {nrm / rho:.4g}ρ" if not nrm <= rho * (1 + tol) else

@@ -173,6 +173,9 @@ class ShardedSpace(ProductTangentSpace):
         r, n2 = super().egrad2rgrad_and_norm2(g)
         return r, self._sum(n2)
 
+    def vertical_norm2(self, u: torch.Tensor) -> torch.Tensor:
+        return self._sum(super().vertical_norm2(u))
+
     def sample(self, generator: Generator = None) -> torch.Tensor:
         """This rank's rows of the standard Gaussian that one process draws: the noise of each
         factor is drawn whole (on the host, as one process does) and sliced."""
