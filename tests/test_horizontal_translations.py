@@ -171,6 +171,9 @@ def test_conjugate_gradients_agree_with_the_explicit_gram_matrices(tiny):
                                dense_limit=0)
     assert {c.kind for c in cg.components} <= {"diag", "cg"}
     assert "cg" in {c.kind for c in cg.components} or name == "gpt2"
+    # the reader centrings take the gathered form v ⊙ θ[c] (no autodiff per product)
+    readers = [t for t in cg.tangents if type(t.fold).__name__ == "ReaderCentringFold"]
+    assert readers and all(t._columns_of is not None for t in readers)
     m = geo.adaptive_space.inv_c2
     u = torch.randn(geo.w0.shape, generator=torch.Generator().manual_seed(2),
                     dtype=torch.float64)

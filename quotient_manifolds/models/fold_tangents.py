@@ -32,10 +32,12 @@ class FoldTangent:
     r"""$V_f$ of one fold on its component's vector (the component's entries, concatenated;
     its columns: the fold's `act_at` coordinates).
 
-    Three forms: a value broadcast along an axis (a plain centring), the dense `(k, n)` matrix
+    Four forms: a value broadcast along an axis (a plain centring), the dense `(k, n)` matrix
     of its columns on its own entries (when `k × entries` is at most `dense_limit`: made once,
-    by forward mode batched over the coordinates), or forward and reverse mode through the
-    fold's `act_at` per product (a large fold, e.g. the tied word table's shift)."""
+    by forward mode batched over the coordinates), for a large fold whose columns have disjoint
+    supports (a reader centring) $V_f\theta = v \odot \theta_c$ with $v = V_f \mathbb 1$ and
+    the coordinate $c$ of each entry (made once, checked), or forward and reverse mode through
+    the fold's `act_at` per product (a large fold, e.g. the tied word table's shift)."""
 
     def __init__(self, fold: Fold, params: Params, slots: Mapping[str, Any],
                  dtype: torch.dtype, dense_limit: float) -> None:
@@ -46,6 +48,7 @@ class FoldTangent:
         self.disjoint = isinstance(fold, DISJOINT)
         self.names: list[str] = []
         self.C: torch.Tensor | None = None
+        self._columns_of: tuple[torch.Tensor, torch.Tensor] | None = None  # (v, c), see below
         self.fixed = False
         self._lines: dict[str, list[int]] = {}  # a closed form: θ broadcast from these shapes
         self._signs: dict[str, float] = {}
@@ -103,8 +106,38 @@ class FoldTangent:
         whole = sum(params[n].numel() for n in self.names)
         if not closed and self.k * whole <= dense_limit:
             self.C = self._columns()
+        elif not closed and self.disjoint and self._gather_columns():
+            pass  # V θ = v ⊙ θ[col]: no autodiff per product
         elif not closed:
             self._vjp = vjp(self._fn, theta0)[1]
+
+    def _own_tangent(self, theta: torch.Tensor) -> torch.Tensor:
+        """$V_f \theta$ on the tangent's own entries (forward mode)."""
+        tang = self._tangent(theta)
+        return torch.cat([self._gather(tang[n], e).reshape(-1) for n, e in self.slots.items()])
+
+    def _gather_columns(self) -> bool:
+        r"""For columns with disjoint supports: $V_f 	heta = v \odot 	heta_{c}$ with
+        $v = V_f \mathbb 1$ and $c$ the coordinate that moves each entry (read off
+        $V_f (1, 2, \dots, k)^	op / v$), checked against forward mode on a random $	heta$.
+        Stores `(v, c)` and returns whether the check passed."""
+        th = self._theta0
+        v = self._own_tangent(torch.ones_like(th))
+        ramp = self._own_tangent(torch.arange(1, self.k + 1, dtype=th.dtype, device=th.device))
+        moved = v != 0
+        col = torch.where(moved, torch.round(ramp / torch.where(moved, v, 1.0)) - 1, 0.0)
+        if bool(((col < 0) | (col >= self.k)).any()):
+            return False
+        col = col.to(torch.int32 if self.k < 2**31 else torch.int64)
+        probe = torch.randn(self.k, dtype=th.dtype, generator=torch.Generator().manual_seed(1))
+        probe = probe.to(th.device)
+        want = self._own_tangent(probe)
+        got = v * probe[col]
+        tol = 1e3 * torch.finfo(th.dtype).eps * float(want.abs().max().clamp_min(1e-300))
+        if not bool(((got - want).abs() <= tol).all()):
+            return False
+        self._columns_of = (v, col)
+        return True
 
     @staticmethod
     def _gather(t: torch.Tensor, e: Any) -> torch.Tensor:
@@ -157,6 +190,12 @@ class FoldTangent:
                 o = self.at[n]
                 out[o:o + b - a] += v[a:b].to(out.dtype)
             return
+        if self._columns_of is not None:
+            v, col = self._columns_of
+            for n, (a, b) in self.local.items():
+                o = self.at[n]
+                out[o:o + b - a] += (v[a:b] * theta[col[a:b]]).to(out.dtype)
+            return
         if self._lines and all(e.index is None for e in self.slots.values()):
             for n, e in self.slots.items():  # broadcast in place: no tangent materialised
                 o = self.at[n]
@@ -173,6 +212,10 @@ class FoldTangent:
         dt = self._theta0.dtype
         if self.C is not None:
             return (self.C @ self.own(y).to(dt)).to(y.dtype)
+        if self._columns_of is not None:
+            v, col = self._columns_of
+            out = torch.zeros(self.k, dtype=dt, device=v.device)
+            return out.index_add_(0, col, self.own(y).to(dt) * v).to(y.dtype)
         cot = {}
         for n, e in self.slots.items():
             ref = self._shapes[n]
