@@ -56,7 +56,6 @@ from ..errors import (
 )
 from ..manifolds import GLQuotient
 from ..manifolds.adaptive import AdaptiveTangentSpace
-from ..manifolds.constrained import ConstrainedAdaptiveTangentSpace
 from ..manifolds.gl_quotient import GLTangentSpace
 from ..manifolds.product import ProductTangentSpace
 from .blocks import BlockSpec, claimed_mask, gather_block, scatter_block
@@ -64,7 +63,7 @@ from .cache import discovery_cache
 from .config import QuotientConfig
 from .records import Fallback, Symmetries
 from .row_layout import RowLayout
-from .translations import RowsConstraint, adaptive_space, horizontal_translations
+from .translations import RowsConstraint, adaptive_space, horizontal_translations, rows_space
 
 __all__ = ["BlockGroup", "AdaptiveEntry", "ModelGeometry", "HALF_DTYPES",
            "ParamSelection", "select_parameters"]
@@ -517,12 +516,10 @@ class ModelGeometry:
         produces the adaptive gradient directly, without copying it through $\xi$. Otherwise
         the adaptive part of `xi` is one more leaf.
 
-        With a `layout` ([`RowLayout`][quotient_manifolds.models.row_layout.RowLayout],
-        first-order adaptive retraction only), `xi` is a vector of that layout: only the kept
-        adaptive entries are written, the others stay at their base values; the leaves are the
-        same as without a layout (whole parameters), and
-        [`pack_grads`][quotient_manifolds.models.model_geometry.ModelGeometry.pack_grads]
-        with the same `layout` packs their gradients.
+        With a `layout` ([`RowLayout`][quotient_manifolds.models.row_layout.RowLayout], first
+        order only), `xi` is of that layout: the kept adaptive entries are written, the others
+        stay at their base values; the leaves are whole parameters, and `pack_grads` with the
+        same `layout` packs their gradients.
         """
         space = self.space if layout is None else layout.space
         parts = [p.detach() for p in space.split(xi.detach())]
@@ -568,22 +565,14 @@ class ModelGeometry:
 
     def row_layout(self, grads: Sequence[torch.Tensor | None], *, max_fraction: float = 0.5,
                    min_saving: float = 0.125) -> RowLayout | None:
-        """[`RowLayout.from_gradients`][quotient_manifolds.models.row_layout.RowLayout.from_gradients]
-        of this geometry. With translation orbits, the entries of the components that apply to
-        gradients (`RowsConstraint.local`) are kept whole; the others (centrings, table
-        shifts: an embedding shift couples the rows) are horizontal for every gradient."""
-        whole = () if self.translations is None else RowsConstraint.local(self.translations)
+        """`RowLayout.from_gradients` here, the entries of `RowsConstraint.local` kept whole."""
         return RowLayout.from_gradients(self, grads, max_fraction=max_fraction,
-                                        min_saving=min_saving, whole=whole)
+                                        min_saving=min_saving,
+                                        whole=RowsConstraint.local(self.translations))
 
     def layout_adaptive_space(self, layout: RowLayout) -> AdaptiveTangentSpace:
-        """The adaptive tangent space of a row layout: at its kept weights, horizontal to the
-        translation orbits on its whole entries (`RowsConstraint`)."""
-        if self.translations is None:
-            return self.adaptive.at(layout.w0)
-        return ConstrainedAdaptiveTangentSpace(
-            self.adaptive, layout.w0, RowsConstraint(self.translations, layout.shifts),
-            invariant_gradients=True)
+        """The adaptive tangent space of a row layout (`rows_space`)."""
+        return rows_space(self.adaptive, layout.w0, layout.shifts, self.translations)
 
     def gather(self, params: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
         """Points of an arbitrary parameter dict, one per factor (the inverse of `to_params`)."""

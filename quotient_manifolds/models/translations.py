@@ -65,7 +65,7 @@ from .fold_tangents import FoldTangent
 from .symmetry import Fold
 
 __all__ = ["RowsConstraint", "TRANSLATIONS", "TranslationConstraint", "adaptive_space",
-           "horizontal_translations", "translation_folds"]
+           "horizontal_translations", "rows_space", "translation_folds"]
 
 TRANSLATIONS = (CentringFold, ReaderCentringFold, NormShiftFold, EmbeddingShiftFold)
 """The translation folds whose orbits the perturbations are made horizontal to (the softmax
@@ -423,8 +423,10 @@ class RowsConstraint:
         self._m: list[tuple[Any, _Shifted]] = []  # one wrapper per m: the components cache on it
 
     @staticmethod
-    def local(constraint: TranslationConstraint) -> list[tuple[int, int]]:
+    def local(constraint: TranslationConstraint | None) -> list[tuple[int, int]]:
         """The full-vector spans of the components applied to gradients."""
+        if constraint is None:
+            return []
         return [span for c in constraint.active(gradient=True) for span in c.spans]
 
     def _wrapped(self, m: Any) -> _Shifted:
@@ -454,6 +456,18 @@ class RowsConstraint:
         for c in components:
             tc.iterations = max(tc.iterations, c.project(xs, ms, tc.tol, tc.max_iter))
         return x
+
+
+def rows_space(manifold: AdaptiveEuclidean, w0: torch.Tensor,
+               shifts: Sequence[tuple[int, int, int]],
+               constraint: TranslationConstraint | None) -> AdaptiveTangentSpace:
+    r"""The adaptive tangent space of a row layout (its kept weights `w0`, its `shifts`):
+    horizontal to the translation orbits through `RowsConstraint` where there are any. Its
+    gradients are those of an invariant loss at $w + \xi$ (the layouts' promise)."""
+    if constraint is None:
+        return manifold.at(w0)
+    return ConstrainedAdaptiveTangentSpace(manifold, w0, RowsConstraint(constraint, shifts),
+                                           invariant_gradients=True)
 
 
 def _connected(tangents: Sequence[FoldTangent]) -> list[list[FoldTangent]]:
